@@ -1,0 +1,495 @@
+//! Plugin configuration: the JSON an operator writes, its defaults (llm-d's where llm-d has
+//! one), and validation whose errors name the field and its allowed range. Knows nothing of
+//! Envoy; the wasm layer hands it the plugin configuration bytes.
+
+use serde::Deserialize;
+
+include!(concat!(env!("OUT_DIR"), "/presets.rs"));
+
+/// A calibrated peak prefill throughput for one model on one accelerator.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Preset {
+    pub name: &'static str,
+    pub model: &'static str,
+    pub accelerator: &'static str,
+    pub engine: &'static str,
+    pub tensor_parallel: u32,
+    pub peak_prefill_tokens_per_s: f64,
+    pub chunk_tokens: u32,
+}
+
+pub fn preset(name: &str) -> Option<&'static Preset> {
+    PRESETS.iter().find(|p| p.name == name)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyName {
+    RoundRobin,
+    LeastLoad,
+    AlwaysSticky,
+    StickyUntilSaturated,
+    Tokenaware,
+}
+
+impl PolicyName {
+    pub const ALL: [PolicyName; 5] = [
+        PolicyName::RoundRobin,
+        PolicyName::LeastLoad,
+        PolicyName::AlwaysSticky,
+        PolicyName::StickyUntilSaturated,
+        PolicyName::Tokenaware,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyName::RoundRobin => "round-robin",
+            PolicyName::LeastLoad => "least-load",
+            PolicyName::AlwaysSticky => "always-sticky",
+            PolicyName::StickyUntilSaturated => "sticky-until-saturated",
+            PolicyName::Tokenaware => "tokenaware",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<PolicyName> {
+        Self::ALL.into_iter().find(|p| p.as_str() == s)
+    }
+}
+
+/// Which saturation test breaks stickiness (see `policy::gate`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum GateForm {
+    /// llm-d today: least-loaded warm minus least-loaded cold exceeds τ.
+    Relative,
+    /// The seeds' simulation: least-loaded warm exceeds τ.
+    Absolute,
+}
+
+/// What the final pick minimises.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Scorer {
+    /// Prefill-bound traffic: uncached tokens in flight plus this request's uncached tokens.
+    TokenLoad,
+    /// Decode-bound traffic: active requests, then token cost.
+    ActiveRequest,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EndpointConfig {
+    /// `ip:port` as Envoy's override_host expects it.
+    pub address: String,
+    /// KV capacity in tokens; defaults to the global `kvCapacityTokens`.
+    #[serde(default)]
+    pub kv_capacity_tokens: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// Envoy cluster that reaches Envoy's own admin interface.
+    pub admin_cluster: String,
+    /// Name of the model-server cluster in `/clusters?format=json`.
+    pub model_cluster: String,
+    #[serde(default = "default_discovery_interval_ms")]
+    pub interval_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Cluster the poll goes through (the model-server cluster, with override_host).
+    pub cluster: String,
+    #[serde(default = "default_metrics_path")]
+    pub path: String,
+    #[serde(default = "default_metrics_interval_ms")]
+    pub interval_ms: u64,
+    #[serde(default = "default_metrics_timeout_ms")]
+    pub timeout_ms: u64,
+    /// Scraped samples older than this are ignored.
+    #[serde(default = "default_metrics_stale_ms")]
+    pub stale_after_ms: u64,
+}
+
+/// The whole plugin configuration. Field names are camelCase in JSON.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct Config {
+    pub policy: PolicyName,
+    pub gate: GateForm,
+    pub scorer: Scorer,
+    /// Match ratio at or above which an endpoint is warm.
+    pub affinity_threshold: f64,
+    /// R_peak, prefill tokens per second per endpoint.
+    pub peak_prefill_throughput: Option<f64>,
+    /// Name of a calibrated preset supplying R_peak when it is not given.
+    pub preset: Option<String>,
+    /// T_max: tolerated TTFT penalty, ms. τ = R_peak × T_max.
+    #[serde(rename = "maxTTFTPenaltyMs")]
+    pub max_ttft_penalty_ms: f64,
+    /// τ in tokens, given directly; overrides R_peak × T_max.
+    pub tau: Option<u64>,
+    pub bytes_per_token: f64,
+    pub block_size_tokens: u32,
+    pub max_prefix_blocks: u32,
+    /// Default KV capacity per endpoint, tokens.
+    pub kv_capacity_tokens: u64,
+    pub max_endpoints: u32,
+    pub endpoints: Vec<EndpointConfig>,
+    pub discovery: Option<DiscoveryConfig>,
+    pub metrics: Option<MetricsConfig>,
+    /// Request paths that are routed; others pass untouched.
+    pub routes: Vec<String>,
+    pub max_body_bytes: u64,
+    /// Next-best endpoints handed to override_host after the pick.
+    pub fallbacks: u32,
+    /// Adds `x-tokenaware-decision` to responses.
+    pub decision_header: bool,
+    /// Path answering with the tables as JSON; off when absent.
+    pub debug_path: Option<String>,
+    /// A ledger entry never released (a crashed VM) expires after this long.
+    #[serde(rename = "requestTTLSeconds")]
+    pub request_ttl_seconds: u64,
+    /// Prefix of every shared-data key (Istio leaves vm_id empty, so VMs of different
+    /// plugins could otherwise meet).
+    pub namespace: String,
+    /// Index slots per bucket × buckets are sized from capacity × this headroom.
+    pub index_headroom: f64,
+}
+
+fn default_discovery_interval_ms() -> u64 {
+    2_000
+}
+fn default_metrics_path() -> String {
+    "/metrics".into()
+}
+fn default_metrics_interval_ms() -> u64 {
+    500
+}
+fn default_metrics_timeout_ms() -> u64 {
+    300
+}
+fn default_metrics_stale_ms() -> u64 {
+    5_000
+}
+
+pub const DEFAULT_PEAK_PREFILL: f64 = 15_928.0;
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            policy: PolicyName::Tokenaware,
+            gate: GateForm::Relative,
+            scorer: Scorer::TokenLoad,
+            affinity_threshold: 0.8,
+            peak_prefill_throughput: None,
+            preset: None,
+            max_ttft_penalty_ms: 18_000.0,
+            tau: None,
+            bytes_per_token: 4.0,
+            block_size_tokens: 64,
+            max_prefix_blocks: 2_048,
+            kv_capacity_tokens: 500_000,
+            max_endpoints: 64,
+            endpoints: Vec::new(),
+            discovery: None,
+            metrics: None,
+            routes: vec![
+                "/v1/completions".into(),
+                "/v1/chat/completions".into(),
+                "/v1/responses".into(),
+            ],
+            max_body_bytes: 4 * 1024 * 1024,
+            fallbacks: 2,
+            decision_header: false,
+            debug_path: None,
+            request_ttl_seconds: 600,
+            namespace: "tokenaware".into(),
+            index_headroom: 3.0,
+        }
+    }
+}
+
+/// A configuration error: the field (JSON name) and what is wrong with it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfigError {
+    pub field: String,
+    pub problem: String,
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "invalid tokenaware config: field `{}`: {}",
+            self.field, self.problem
+        )
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err(field: &str, problem: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field: field.into(),
+        problem: problem.into(),
+    }
+}
+
+fn check_range(field: &str, v: f64, lo: f64, hi: f64) -> Result<(), ConfigError> {
+    if v.is_finite() && v >= lo && v <= hi {
+        Ok(())
+    } else {
+        Err(err(field, format!("{v} is outside [{lo}, {hi}]")))
+    }
+}
+
+impl Config {
+    /// Parses and validates. Empty input means all defaults.
+    pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
+        let cfg: Config = if bytes.iter().all(u8::is_ascii_whitespace) {
+            Config::default()
+        } else {
+            serde_json::from_slice(bytes).map_err(|e| serde_field_error(bytes, &e))?
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        check_range("affinityThreshold", self.affinity_threshold, 0.0, 1.0)?;
+        check_range("maxTTFTPenaltyMs", self.max_ttft_penalty_ms, 0.0, 3.6e6)?;
+        check_range("bytesPerToken", self.bytes_per_token, 0.5, 64.0)?;
+        check_range(
+            "blockSizeTokens",
+            self.block_size_tokens.into(),
+            1.0,
+            65_536.0,
+        )?;
+        check_range(
+            "maxPrefixBlocks",
+            self.max_prefix_blocks.into(),
+            1.0,
+            65_536.0,
+        )?;
+        check_range(
+            "kvCapacityTokens",
+            self.kv_capacity_tokens as f64,
+            1.0,
+            1e12,
+        )?;
+        check_range("maxEndpoints", self.max_endpoints.into(), 1.0, 4_096.0)?;
+        check_range(
+            "maxBodyBytes",
+            self.max_body_bytes as f64,
+            1.0,
+            1_073_741_824.0,
+        )?;
+        check_range("fallbacks", self.fallbacks.into(), 0.0, 8.0)?;
+        check_range(
+            "requestTTLSeconds",
+            self.request_ttl_seconds as f64,
+            1.0,
+            86_400.0,
+        )?;
+        check_range("indexHeadroom", self.index_headroom, 1.0, 16.0)?;
+        if let Some(r) = self.peak_prefill_throughput {
+            check_range("peakPrefillThroughput", r, 1.0, 1e9)?;
+        }
+        if let Some(t) = self.tau {
+            check_range("tau", t as f64, 0.0, 1e12)?;
+        }
+        if let Some(p) = &self.preset {
+            if preset(p).is_none() {
+                let names: Vec<&str> = PRESETS.iter().map(|p| p.name).collect();
+                return Err(err(
+                    "preset",
+                    format!("unknown preset {p:?}; known: {}", names.join(", ")),
+                ));
+            }
+        }
+        if self.namespace.is_empty() || self.namespace.len() > 64 {
+            return Err(err("namespace", "must be 1 to 64 characters"));
+        }
+        if self.endpoints.len() > self.max_endpoints as usize {
+            return Err(err(
+                "endpoints",
+                format!("more than maxEndpoints ({})", self.max_endpoints),
+            ));
+        }
+        for (i, e) in self.endpoints.iter().enumerate() {
+            if !is_host_port(&e.address) {
+                return Err(err(
+                    &format!("endpoints[{i}].address"),
+                    format!("{:?} is not ip:port", e.address),
+                ));
+            }
+            if let Some(c) = e.kv_capacity_tokens {
+                check_range(
+                    &format!("endpoints[{i}].kvCapacityTokens"),
+                    c as f64,
+                    1.0,
+                    1e12,
+                )?;
+            }
+        }
+        if self.routes.iter().any(|r| !r.starts_with('/')) {
+            return Err(err("routes", "every route must start with '/'"));
+        }
+        if let Some(m) = &self.metrics {
+            check_range("metrics.intervalMs", m.interval_ms as f64, 10.0, 3.6e6)?;
+            check_range("metrics.timeoutMs", m.timeout_ms as f64, 1.0, 60_000.0)?;
+            if m.cluster.is_empty() {
+                return Err(err("metrics.cluster", "must not be empty"));
+            }
+        }
+        if let Some(d) = &self.discovery {
+            check_range("discovery.intervalMs", d.interval_ms as f64, 10.0, 3.6e6)?;
+            if d.admin_cluster.is_empty() || d.model_cluster.is_empty() {
+                return Err(err(
+                    "discovery",
+                    "adminCluster and modelCluster must not be empty",
+                ));
+            }
+        }
+        if self.endpoints.is_empty() && self.discovery.is_none() {
+            return Err(err(
+                "endpoints",
+                "give a static list of endpoints or a `discovery` section",
+            ));
+        }
+        if self
+            .debug_path
+            .as_deref()
+            .is_some_and(|p| !p.starts_with('/'))
+        {
+            return Err(err("debugPath", "must start with '/'"));
+        }
+        Ok(())
+    }
+
+    /// R_peak in tokens/s: explicit value, else the preset's, else llm-d's default.
+    pub fn peak_prefill(&self) -> f64 {
+        self.peak_prefill_throughput
+            .or_else(|| {
+                self.preset
+                    .as_deref()
+                    .and_then(preset)
+                    .map(|p| p.peak_prefill_tokens_per_s)
+            })
+            .unwrap_or(DEFAULT_PEAK_PREFILL)
+    }
+
+    /// τ in tokens: given directly, or R_peak × T_max.
+    pub fn tau_tokens(&self) -> f64 {
+        match self.tau {
+            Some(t) => t as f64,
+            None => self.peak_prefill() * self.max_ttft_penalty_ms / 1000.0,
+        }
+    }
+
+    /// Bytes of canonical prompt per hashed block.
+    pub fn block_bytes(&self) -> usize {
+        ((self.block_size_tokens as f64 * self.bytes_per_token).round() as usize).max(1)
+    }
+
+    /// KV capacity in index blocks for a capacity in tokens.
+    pub fn capacity_blocks(&self, kv_tokens: u64) -> u64 {
+        (kv_tokens / u64::from(self.block_size_tokens.max(1))).max(1)
+    }
+
+    pub fn is_routed_path(&self, path: &str) -> bool {
+        let path = path.split('?').next().unwrap_or(path);
+        self.routes.iter().any(|r| r == path)
+    }
+}
+
+fn is_host_port(s: &str) -> bool {
+    s.parse::<std::net::SocketAddr>().is_ok()
+}
+
+/// serde does not say which field a type error is in: find it by deserializing each top-level
+/// field alone (config time only, never per request).
+fn serde_field_error(bytes: &[u8], e: &serde_json::Error) -> ConfigError {
+    let fallback = || err("(json)", e.to_string());
+    let Ok(serde_json::Value::Object(map)) = serde_json::from_slice::<serde_json::Value>(bytes)
+    else {
+        return fallback();
+    };
+    for (k, v) in map {
+        let mut one = serde_json::Map::new();
+        one.insert(k.clone(), v);
+        if let Err(inner) = serde_json::from_value::<Config>(serde_json::Value::Object(one)) {
+            return err(&k, inner.to_string());
+        }
+    }
+    fallback()
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_endpoints(extra: &str) -> String {
+        format!(r#"{{"endpoints":[{{"address":"127.0.0.1:8001"}}]{extra}}}"#)
+    }
+
+    #[test]
+    fn defaults_give_llm_d_tau() {
+        let c = Config::from_json(with_endpoints("").as_bytes()).unwrap();
+        assert_eq!(c.tau_tokens().round() as u64, 286_704);
+        assert_eq!(c.affinity_threshold, 0.8);
+        assert_eq!(c.policy, PolicyName::Tokenaware);
+        assert_eq!(c.block_bytes(), 256);
+    }
+
+    #[test]
+    fn explicit_tau_and_preset() {
+        let c = Config::from_json(with_endpoints(r#","tau":50000"#).as_bytes()).unwrap();
+        assert_eq!(c.tau_tokens(), 50_000.0);
+        let c = Config::from_json(
+            with_endpoints(r#","preset":"qwen3-32b-h100-tp2-blog","maxTTFTPenaltyMs":14000"#)
+                .as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(c.tau_tokens().round() as u64, 286_720);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            (r#","affinityThreshold":1.5"#, "affinityThreshold"),
+            (r#","preset":"nope""#, "preset"),
+            (r#","bogus":1"#, "bogus"),
+            (r#","policy":"fastest""#, "policy"),
+            (r#","maxTTFTPenaltyMs":-1"#, "maxTTFTPenaltyMs"),
+        ];
+        for (extra, field) in cases {
+            let e = Config::from_json(with_endpoints(extra).as_bytes()).unwrap_err();
+            assert_eq!(e.field, field, "{extra}: {e}");
+        }
+        let e = Config::from_json(br#"{"endpoints":[{"address":"nohost"}]}"#).unwrap_err();
+        assert_eq!(e.field, "endpoints[0].address");
+        let e = Config::from_json(b"").unwrap_err();
+        assert_eq!(e.field, "endpoints");
+    }
+
+    #[test]
+    fn presets_compiled_in() {
+        assert!(PRESETS.len() >= 8);
+        assert_eq!(
+            preset("qwen3-32b-h100-tp2")
+                .unwrap()
+                .peak_prefill_tokens_per_s,
+            15_928.0
+        );
+    }
+
+    #[test]
+    fn routed_paths_ignore_query() {
+        let c = Config::from_json(with_endpoints("").as_bytes()).unwrap();
+        assert!(c.is_routed_path("/v1/chat/completions?x=1"));
+        assert!(!c.is_routed_path("/v1/models"));
+    }
+}

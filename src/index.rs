@@ -1,0 +1,580 @@
+//! Affinity index: which prefix blocks each endpoint is believed to hold. An approximate
+//! model of the model servers' KV caches, bounded per endpoint by its capacity in blocks and
+//! evicted least-recently-used first; it knows nothing about load.
+//!
+//! Algorithm. The chain of block hashes is cut into segments of `SEGMENT` blocks. One entry
+//! per (endpoint, segment) is keyed by the chain hash of the segment's first block, which
+//! stands for the whole prefix before it, and holds 32-bit fingerprints of the segment's other
+//! blocks. Each endpoint has a clock counting the blocks ever stamped on it; an entry stamped
+//! at `s` is held while `clock − s < capacity`. So at most `capacity` blocks are held per
+//! endpoint, and the oldest stamps go first (LRU). Within one insert the head of the prompt
+//! gets the newest stamp, so a prompt is forgotten from its tail, never from its head.
+//!
+//! Complexity. Matching one endpoint reads its header and O(log segments) buckets (binary
+//! search: held segments form a prefix of the chain); inserting reads and writes each
+//! segment's bucket once. Every read or write is one fixed-size value in the store.
+//!
+//! Refresh. Re-stamping a block that is still fresh (younger than half the capacity) is
+//! skipped, so a hot prefix does not age every other prefix on its endpoint.
+
+use std::cmp::Reverse;
+
+use crate::store::{read_u32, read_u64, update, write_u32, write_u64, SharedStore, StoreError};
+
+/// Blocks per index entry.
+pub const SEGMENT: usize = 16;
+/// Entries per bucket (one store value).
+pub const WAYS: usize = 8;
+const ENTRY: usize = 8 + 8 + 4 + 2 + 1 + 1 + 4 * (SEGMENT - 1);
+const HEADER: usize = 16;
+
+/// Where an entry lives, so an insert can be rolled back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Written {
+    bucket: u64,
+    tag: u64,
+    stamp: u64,
+    previous: Option<Vec<u8>>,
+}
+
+/// What one insert changed; hand it back to `rollback` if the request fails before its
+/// first byte.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct InsertReceipt {
+    pub slot: u16,
+    pub written: Vec<Written>,
+}
+
+/// An endpoint's view: matched blocks, and its clock (blocks stamped so far, a measure of how
+/// much cache churn it has absorbed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Match {
+    pub blocks: usize,
+    pub clock: u64,
+    pub capacity: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct AffinityIndex {
+    prefix: String,
+    buckets: u64,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Header {
+    clock: u64,
+    capacity: u64,
+}
+
+impl AffinityIndex {
+    /// `total_capacity_blocks`: the sum over endpoints of their capacity; the bucket table is
+    /// sized to hold it `headroom` times over (hash collisions evict early otherwise).
+    pub fn new(namespace: &str, total_capacity_blocks: u64, headroom: f64) -> Self {
+        let entries = (total_capacity_blocks as f64 * headroom / SEGMENT as f64).ceil() as u64;
+        AffinityIndex {
+            prefix: format!("{namespace}/ix/"),
+            buckets: (entries / WAYS as u64).max(16),
+        }
+    }
+
+    /// Upper bound on the bytes the index can occupy in the store.
+    pub fn max_bytes(&self, endpoints: u64) -> u64 {
+        let key = self.prefix.len() as u64 + 18;
+        self.buckets * (key + (WAYS * ENTRY) as u64) + endpoints * (key + HEADER as u64)
+    }
+
+    fn header_key(&self, slot: u16) -> String {
+        format!("{}h{slot:x}", self.prefix)
+    }
+
+    fn bucket_key(&self, bucket: u64) -> String {
+        format!("{}b{bucket:x}", self.prefix)
+    }
+
+    fn header<S: SharedStore + ?Sized>(&self, s: &S, slot: u16) -> Result<Header, StoreError> {
+        let (v, _) = s.get(&self.header_key(slot))?;
+        let v = v.unwrap_or_default();
+        Ok(Header {
+            clock: read_u64(&v, 0),
+            capacity: read_u64(&v, 8),
+        })
+    }
+
+    /// Sets an endpoint's capacity in blocks (from config, or from its scraped cache size).
+    pub fn set_capacity<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        blocks: u64,
+    ) -> Result<(), StoreError> {
+        update(s, &self.header_key(slot), |old| {
+            if read_u64(old, 8) == blocks && old.len() >= HEADER {
+                return None;
+            }
+            let mut b = vec![0u8; HEADER];
+            write_u64(&mut b, 0, read_u64(old, 0));
+            write_u64(&mut b, 8, blocks);
+            Some((b, ()))
+        })
+        .map(|_| ())
+    }
+
+    /// Forgets everything an endpoint holds (removed, or restarted with a cold cache), in one
+    /// write: its clock jumps past every stamp.
+    pub fn clear_endpoint<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+    ) -> Result<(), StoreError> {
+        update(s, &self.header_key(slot), |old| {
+            let mut b = vec![0u8; HEADER];
+            let cap = read_u64(old, 8);
+            write_u64(
+                &mut b,
+                0,
+                read_u64(old, 0)
+                    .saturating_add(cap)
+                    .saturating_add(SEGMENT as u64 + 1),
+            );
+            write_u64(&mut b, 8, cap);
+            Some((b, ()))
+        })
+        .map(|_| ())
+    }
+
+    /// How many leading blocks of `chain` the endpoint holds.
+    pub fn matched<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        chain: &[u64],
+    ) -> Result<Match, StoreError> {
+        let h = self.header(s, slot)?;
+        let mut m = Match {
+            blocks: 0,
+            clock: h.clock,
+            capacity: h.capacity,
+        };
+        if chain.is_empty() || h.capacity == 0 {
+            return Ok(m);
+        }
+        let segments = chain.len().div_ceil(SEGMENT);
+        // Largest j whose segment is held: binary search over [lo, hi).
+        let (mut lo, mut hi) = (0usize, segments);
+        let mut best: Option<(usize, usize)> = None;
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            match self.segment_held(s, slot, chain, mid, h)? {
+                Some(n) => {
+                    best = Some((mid, n));
+                    lo = mid + 1;
+                }
+                None => hi = mid,
+            }
+        }
+        if let Some((j, n)) = best {
+            m.blocks = j * SEGMENT + n;
+        }
+        Ok(m)
+    }
+
+    /// Blocks of segment `j` the endpoint holds (≥ 1), or `None` when the segment is absent.
+    fn segment_held<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        chain: &[u64],
+        j: usize,
+        h: Header,
+    ) -> Result<Option<usize>, StoreError> {
+        let seg = segment(chain, j);
+        let tag = tag(seg.first().copied().unwrap_or(0), slot);
+        let (v, _) = s.get(&self.bucket_key(tag % self.buckets))?;
+        let v = v.unwrap_or_default();
+        Ok(find(&v, tag).and_then(|at| {
+            let e = entry(&v, at);
+            fresh_age(e, h).map(|_| matching_blocks(e, seg))
+        }))
+    }
+
+    /// Records that `slot` now holds `chain` (whole blocks only), at dispatch.
+    pub fn insert<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        chain: &[u64],
+        now_s: u32,
+    ) -> Result<InsertReceipt, StoreError> {
+        let mut receipt = InsertReceipt {
+            slot,
+            written: Vec::new(),
+        };
+        let h = self.header(s, slot)?;
+        if chain.is_empty() || h.capacity == 0 {
+            return Ok(receipt);
+        }
+        let segments = chain.len().div_ceil(SEGMENT);
+        // First pass: which segments need a (re)stamp.
+        let mut touch = Vec::with_capacity(segments);
+        for j in 0..segments {
+            let seg = segment(chain, j);
+            let t = tag(seg.first().copied().unwrap_or(0), slot);
+            let (v, _) = s.get(&self.bucket_key(t % self.buckets))?;
+            let v = v.unwrap_or_default();
+            let fresh = find(&v, t).is_some_and(|at| {
+                let e = entry(&v, at);
+                fresh_age(e, h).is_some_and(|age| age < h.capacity / 2)
+                    && matching_blocks(e, seg) == seg.len()
+            });
+            if !fresh {
+                touch.push(j);
+            }
+        }
+        let stamped: u64 = touch.iter().map(|&j| segment(chain, j).len() as u64).sum();
+        if stamped == 0 {
+            return Ok(receipt);
+        }
+        let base = self.advance_clock(s, slot, stamped)?;
+        let mut headers = vec![(
+            slot,
+            Header {
+                clock: base + stamped,
+                ..h
+            },
+        )];
+        // Head segments get the newest stamps: the tail is forgotten first.
+        let mut stamp = base + stamped;
+        for &j in &touch {
+            let seg = segment(chain, j);
+            let t = tag(seg.first().copied().unwrap_or(0), slot);
+            self.load_headers(s, t % self.buckets, &mut headers)?;
+            if let Some(w) = self.write_entry(s, t, stamp, slot, seg, now_s, &headers)? {
+                receipt.written.push(w);
+            }
+            stamp -= seg.len() as u64;
+        }
+        Ok(receipt)
+    }
+
+    fn advance_clock<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        n: u64,
+    ) -> Result<u64, StoreError> {
+        let base = update(s, &self.header_key(slot), |old| {
+            let mut b = vec![0u8; HEADER];
+            let clock = read_u64(old, 0);
+            write_u64(&mut b, 0, clock.saturating_add(n));
+            write_u64(&mut b, 8, read_u64(old, 8));
+            Some((b, clock))
+        })?;
+        Ok(base.unwrap_or(0))
+    }
+
+    /// Headers of the endpoints whose entries share a bucket, so eviction can prefer expired
+    /// entries; read once per endpoint per insert.
+    fn load_headers<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        bucket: u64,
+        headers: &mut Vec<(u16, Header)>,
+    ) -> Result<(), StoreError> {
+        let (v, _) = s.get(&self.bucket_key(bucket))?;
+        let v = v.unwrap_or_default();
+        for w in 0..WAYS {
+            let e = entry(&v, w * ENTRY);
+            let other = entry_slot(e);
+            if read_u64(e, 0) != 0 && headers.iter().all(|(x, _)| *x != other) {
+                headers.push((other, self.header(s, other)?));
+            }
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn write_entry<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        t: u64,
+        stamp: u64,
+        slot: u16,
+        seg: &[u64],
+        now_s: u32,
+        headers: &[(u16, Header)],
+    ) -> Result<Option<Written>, StoreError> {
+        let bucket = t % self.buckets;
+        update(s, &self.bucket_key(bucket), |old| {
+            let mut b = bucket_buf(old);
+            let at = find(&b, t).unwrap_or_else(|| victim(&b, headers));
+            let previous = (read_u64(&b, at) != 0).then(|| b[at..at + ENTRY].to_vec());
+            fill_entry(&mut b[at..at + ENTRY], t, stamp, slot, seg, now_s);
+            Some((
+                b,
+                Written {
+                    bucket,
+                    tag: t,
+                    stamp,
+                    previous,
+                },
+            ))
+        })
+    }
+
+    /// Undoes an insert whose request failed before its first byte: each entry it wrote goes
+    /// back to what it was, unless someone has written it since.
+    pub fn rollback<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        receipt: &InsertReceipt,
+    ) -> Result<(), StoreError> {
+        for w in receipt.written.iter().rev() {
+            update(s, &self.bucket_key(w.bucket), |old| {
+                let at = find(old, w.tag)?;
+                if read_u64(old, at + 8) != w.stamp {
+                    return None;
+                }
+                let mut b = bucket_buf(old);
+                match &w.previous {
+                    Some(p) if p.len() == ENTRY => b[at..at + ENTRY].copy_from_slice(p),
+                    _ => b[at..at + ENTRY].fill(0),
+                }
+                Some((b, ()))
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Blocks the endpoint holds according to the index (for tests and the debug path):
+    /// scans every bucket, so never call it per request.
+    pub fn held_blocks<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+    ) -> Result<u64, StoreError> {
+        let h = self.header(s, slot)?;
+        let mut n = 0;
+        for bucket in 0..self.buckets {
+            let (v, _) = s.get(&self.bucket_key(bucket))?;
+            let v = v.unwrap_or_default();
+            for w in 0..WAYS {
+                let e = entry(&v, w * ENTRY);
+                if read_u64(e, 0) != 0 && entry_slot(e) == slot && fresh_age(e, h).is_some() {
+                    n += u64::from(e.get(23).copied().unwrap_or(0));
+                }
+            }
+        }
+        Ok(n)
+    }
+}
+
+/// A bucket value of the full size, whatever was stored (a foreign or short value reads as
+/// empty ways).
+fn bucket_buf(old: &[u8]) -> Vec<u8> {
+    let mut b = vec![0u8; WAYS * ENTRY];
+    let n = old.len().min(b.len());
+    b[..n].copy_from_slice(&old[..n]);
+    b
+}
+
+fn segment(chain: &[u64], j: usize) -> &[u64] {
+    let start = (j * SEGMENT).min(chain.len());
+    let end = (start + SEGMENT).min(chain.len());
+    chain.get(start..end).unwrap_or(&[])
+}
+
+/// Entry key: the segment's head hash mixed with the endpoint, never 0 (0 marks empty).
+fn tag(head: u64, slot: u16) -> u64 {
+    let t = head ^ (u64::from(slot) + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    t.max(1)
+}
+
+fn entry(b: &[u8], at: usize) -> &[u8] {
+    b.get(at..at + ENTRY).unwrap_or(&[])
+}
+
+fn entry_slot(e: &[u8]) -> u16 {
+    e.get(20..22)
+        .map(|s| u16::from_le_bytes([s[0], s[1]]))
+        .unwrap_or(u16::MAX)
+}
+
+fn find(b: &[u8], t: u64) -> Option<usize> {
+    (0..WAYS)
+        .map(|w| w * ENTRY)
+        .find(|&at| read_u64(b, at) == t)
+}
+
+/// The way to overwrite: an empty one, else an expired one, else the live entry closest to
+/// expiry (largest share of its endpoint's capacity), else the one touched longest ago.
+fn victim(b: &[u8], headers: &[(u16, Header)]) -> usize {
+    let rank = |at: usize| -> (u8, Reverse<u64>, u32) {
+        let e = entry(b, at);
+        if read_u64(e, 0) == 0 {
+            return (0, Reverse(0), 0);
+        }
+        let touched = read_u32(e, 16);
+        match headers.iter().find(|(x, _)| *x == entry_slot(e)) {
+            Some((_, h)) => match fresh_age(e, *h) {
+                None => (1, Reverse(0), touched),
+                Some(age) => (
+                    2,
+                    Reverse(age.saturating_mul(1 << 16) / h.capacity.max(1)),
+                    touched,
+                ),
+            },
+            None => (3, Reverse(0), touched),
+        }
+    };
+    (0..WAYS)
+        .map(|w| w * ENTRY)
+        .min_by_key(|&at| rank(at))
+        .unwrap_or(0)
+}
+
+/// Age in stamped blocks, if the entry is still within its endpoint's capacity.
+fn fresh_age(e: &[u8], h: Header) -> Option<u64> {
+    let stamp = read_u64(e, 8);
+    let age = h.clock.checked_sub(stamp)?;
+    (age < h.capacity).then_some(age)
+}
+
+/// Leading blocks of `seg` the entry holds: the head matched by the tag, then fingerprints.
+fn matching_blocks(e: &[u8], seg: &[u64]) -> usize {
+    let len = usize::from(e.get(23).copied().unwrap_or(0)).min(seg.len());
+    let mut n = 1;
+    while n < len && read_u32(e, 24 + 4 * (n - 1)) == seg[n] as u32 {
+        n += 1;
+    }
+    n.min(len.max(1))
+}
+
+fn fill_entry(e: &mut [u8], t: u64, stamp: u64, slot: u16, seg: &[u64], now_s: u32) {
+    e.fill(0);
+    write_u64(e, 0, t);
+    write_u64(e, 8, stamp);
+    write_u32(e, 16, now_s);
+    if let Some(s) = e.get_mut(20..22) {
+        s.copy_from_slice(&slot.to_le_bytes());
+    }
+    if let Some(l) = e.get_mut(23) {
+        *l = seg.len().min(SEGMENT) as u8;
+    }
+    for (i, h) in seg.iter().skip(1).enumerate() {
+        write_u32(e, 24 + 4 * i, *h as u32);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemStore;
+
+    fn chain(seed: u64, n: usize) -> Vec<u64> {
+        let mut h = seed;
+        (0..n)
+            .map(|i| {
+                h = xxhash_rust::xxh3::xxh3_64_with_seed(&(i as u64).to_le_bytes(), h);
+                h
+            })
+            .collect()
+    }
+
+    fn index(cap: u64, slots: u16) -> (AffinityIndex, MemStore) {
+        let s = MemStore::new();
+        let ix = AffinityIndex::new("t", cap * u64::from(slots), 4.0);
+        for slot in 0..slots {
+            ix.set_capacity(&s, slot, cap).unwrap();
+        }
+        (ix, s)
+    }
+
+    #[test]
+    fn insert_then_match_prefixes() {
+        let (ix, s) = index(10_000, 2);
+        let a = chain(1, 100);
+        ix.insert(&s, 0, &a, 0).unwrap();
+        assert_eq!(ix.matched(&s, 0, &a).unwrap().blocks, 100);
+        assert_eq!(ix.matched(&s, 1, &a).unwrap().blocks, 0);
+        // A request sharing 37 blocks then diverging.
+        let mut b = a[..37].to_vec();
+        b.extend(chain(99, 50).iter().map(|h| h ^ 7));
+        assert_eq!(ix.matched(&s, 0, &b).unwrap().blocks, 37);
+        assert_eq!(ix.matched(&s, 0, &a[..5]).unwrap().blocks, 5);
+    }
+
+    #[test]
+    fn never_exceeds_capacity_and_evicts_oldest() {
+        let cap = 320;
+        let (ix, s) = index(cap, 1);
+        let prompts: Vec<Vec<u64>> = (0..10).map(|i| chain(i + 10, 160)).collect();
+        for (i, p) in prompts.iter().enumerate() {
+            ix.insert(&s, 0, p, i as u32).unwrap();
+            assert!(ix.held_blocks(&s, 0).unwrap() <= cap);
+        }
+        // Only the last two fit.
+        assert_eq!(ix.matched(&s, 0, &prompts[9]).unwrap().blocks, 160);
+        assert_eq!(ix.matched(&s, 0, &prompts[8]).unwrap().blocks, 160);
+        assert_eq!(ix.matched(&s, 0, &prompts[7]).unwrap().blocks, 0);
+    }
+
+    #[test]
+    fn partial_eviction_keeps_the_head() {
+        let (ix, s) = index(240, 1);
+        let a = chain(1, 160);
+        ix.insert(&s, 0, &a, 0).unwrap();
+        ix.insert(&s, 0, &chain(2, 160), 1).unwrap();
+        let m = ix.matched(&s, 0, &a).unwrap().blocks;
+        assert!(m > 0 && m < 160, "head of a kept, tail gone: {m}");
+    }
+
+    #[test]
+    fn fresh_prefix_is_not_restamped() {
+        let (ix, s) = index(1_000, 1);
+        let a = chain(1, 160);
+        ix.insert(&s, 0, &a, 0).unwrap();
+        let c0 = ix.matched(&s, 0, &a).unwrap().clock;
+        ix.insert(&s, 0, &a, 1).unwrap();
+        assert_eq!(ix.matched(&s, 0, &a).unwrap().clock, c0);
+    }
+
+    #[test]
+    fn rollback_restores() {
+        let (ix, s) = index(10_000, 1);
+        let a = chain(1, 40);
+        let r = ix.insert(&s, 0, &a, 0).unwrap();
+        assert_eq!(r.written.len(), 3);
+        ix.rollback(&s, &r).unwrap();
+        assert_eq!(ix.matched(&s, 0, &a).unwrap().blocks, 0);
+    }
+
+    #[test]
+    fn clear_endpoint_forgets() {
+        let (ix, s) = index(10_000, 2);
+        let a = chain(1, 40);
+        ix.insert(&s, 0, &a, 0).unwrap();
+        ix.insert(&s, 1, &a, 0).unwrap();
+        ix.clear_endpoint(&s, 0).unwrap();
+        assert_eq!(ix.matched(&s, 0, &a).unwrap().blocks, 0);
+        assert_eq!(ix.matched(&s, 1, &a).unwrap().blocks, 40);
+    }
+
+    #[test]
+    fn store_is_bounded() {
+        let (ix, s) = index(1_000, 4);
+        for i in 0..400u64 {
+            ix.insert(&s, (i % 4) as u16, &chain(i, 64), i as u32)
+                .unwrap();
+        }
+        assert!(s.bytes() as u64 <= ix.max_bytes(4));
+    }
+
+    #[test]
+    fn survives_cas_conflicts() {
+        let (ix, s) = index(1_000, 1);
+        s.inject_conflicts.set(5);
+        let a = chain(3, 20);
+        ix.insert(&s, 0, &a, 0).unwrap();
+        assert_eq!(ix.matched(&s, 0, &a).unwrap().blocks, 20);
+    }
+}

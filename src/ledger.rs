@@ -1,0 +1,372 @@
+//! Load ledger: per endpoint, the uncached prompt tokens this gateway has sent that are not
+//! yet prefilled (`U`), and its requests not yet finished (`A`). Charged at pick time (so a
+//! burst sees its own load), prefill released at the first response byte, the request at end
+//! of stream, reset, error or timeout. Releases are idempotent: a `Charge` remembers what it
+//! still holds.
+//!
+//! Expiry. Charges are kept in a ring of time buckets per endpoint; a bucket older than the
+//! request TTL is dropped whole, so a charge that is never released (a crashed worker VM)
+//! stops counting after at most TTL + one bucket, with no per-request key in the store.
+
+use crate::store::{read_u32, read_u64, update, write_u32, write_u64, SharedStore, StoreError};
+
+const RING: usize = 8;
+const SLOT_BYTES: usize = 24;
+
+/// One endpoint's load as this gateway knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Load {
+    /// Uncached prompt tokens sent and not yet prefilled.
+    pub tokens: u64,
+    /// Requests sent and not yet finished.
+    pub requests: u64,
+    /// Requests sent and not yet answered (still queued or prefilling).
+    pub prefilling: u64,
+}
+
+/// What one request holds in the ledger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Charge {
+    pub slot: u16,
+    epoch: u32,
+    pub tokens: u64,
+    prefill_held: bool,
+    request_held: bool,
+}
+
+impl Charge {
+    pub fn is_released(&self) -> bool {
+        !self.prefill_held && !self.request_held
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct LoadLedger {
+    prefix: String,
+    bucket_ms: u64,
+}
+
+impl LoadLedger {
+    pub fn new(namespace: &str, ttl_s: u64) -> Self {
+        LoadLedger {
+            prefix: format!("{namespace}/ld/"),
+            bucket_ms: (ttl_s.max(1) * 1000).div_ceil(RING as u64 - 1),
+        }
+    }
+
+    fn key(&self, slot: u16) -> String {
+        format!("{}{slot:x}", self.prefix)
+    }
+
+    fn epoch(&self, now_ms: u64) -> u32 {
+        (now_ms / self.bucket_ms) as u32
+    }
+
+    /// Adds a request and its uncached tokens to `slot`.
+    pub fn charge<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        tokens: u64,
+        now_ms: u64,
+    ) -> Result<Charge, StoreError> {
+        let epoch = self.epoch(now_ms);
+        self.apply(s, slot, epoch, true, |b| {
+            b.requests = b.requests.saturating_add(1);
+            b.prefilling = b.prefilling.saturating_add(1);
+            b.tokens = b.tokens.saturating_add(tokens);
+        })?;
+        Ok(Charge {
+            slot,
+            epoch,
+            tokens,
+            prefill_held: true,
+            request_held: true,
+        })
+    }
+
+    /// First response byte: the prompt is prefilled.
+    pub fn release_prefill<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        c: &mut Charge,
+    ) -> Result<(), StoreError> {
+        if !c.prefill_held {
+            return Ok(());
+        }
+        let tokens = c.tokens;
+        self.apply(s, c.slot, c.epoch, false, |b| {
+            b.tokens = b.tokens.saturating_sub(tokens);
+            b.prefilling = b.prefilling.saturating_sub(1);
+        })?;
+        c.prefill_held = false;
+        Ok(())
+    }
+
+    /// End of stream, reset, error or timeout: everything the request still holds.
+    pub fn release<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        c: &mut Charge,
+    ) -> Result<(), StoreError> {
+        self.release_prefill(s, c)?;
+        if !c.request_held {
+            return Ok(());
+        }
+        self.apply(s, c.slot, c.epoch, false, |b| {
+            b.requests = b.requests.saturating_sub(1);
+        })?;
+        c.request_held = false;
+        Ok(())
+    }
+
+    /// The endpoint's load, counting only buckets younger than the TTL.
+    pub fn load<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        now_ms: u64,
+    ) -> Result<Load, StoreError> {
+        let (v, _) = s.get(&self.key(slot))?;
+        let v = v.unwrap_or_default();
+        let now = self.epoch(now_ms);
+        let mut load = Load::default();
+        for i in 0..RING {
+            let b = Bucket::read(&v, i);
+            if now.wrapping_sub(b.epoch) < RING as u32 && b.epoch <= now {
+                load.tokens = load.tokens.saturating_add(b.tokens);
+                load.requests = load.requests.saturating_add(u64::from(b.requests));
+                load.prefilling = load.prefilling.saturating_add(u64::from(b.prefilling));
+            }
+        }
+        Ok(load)
+    }
+
+    /// Drops an endpoint's load (removed from the fleet).
+    pub fn clear<S: SharedStore + ?Sized>(&self, s: &S, slot: u16) -> Result<(), StoreError> {
+        s.set(&self.key(slot), &[0u8; RING * SLOT_BYTES], None)
+    }
+
+    /// Read-modify-write of the bucket for `epoch`. A charge claims a stale bucket (resetting
+    /// it: that is the expiry); a release only touches a bucket still on its own epoch.
+    fn apply<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        epoch: u32,
+        claim: bool,
+        f: impl Fn(&mut Bucket),
+    ) -> Result<(), StoreError> {
+        update(s, &self.key(slot), |old| {
+            let mut v = vec![0u8; RING * SLOT_BYTES];
+            let n = old.len().min(v.len());
+            v[..n].copy_from_slice(&old[..n]);
+            let i = epoch as usize % RING;
+            let mut b = Bucket::read(&v, i);
+            if b.epoch != epoch {
+                if !claim {
+                    return None;
+                }
+                b = Bucket {
+                    epoch,
+                    ..Bucket::default()
+                };
+            }
+            f(&mut b);
+            b.write(&mut v, i);
+            Some((v, ()))
+        })
+        .map(|_| ())
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Bucket {
+    epoch: u32,
+    requests: u32,
+    prefilling: u32,
+    tokens: u64,
+}
+
+impl Bucket {
+    fn read(v: &[u8], i: usize) -> Bucket {
+        let at = i * SLOT_BYTES;
+        Bucket {
+            epoch: read_u32(v, at),
+            requests: read_u32(v, at + 4),
+            prefilling: read_u32(v, at + 8),
+            tokens: read_u64(v, at + 16),
+        }
+    }
+
+    fn write(&self, v: &mut [u8], i: usize) {
+        let at = i * SLOT_BYTES;
+        write_u32(v, at, self.epoch);
+        write_u32(v, at + 4, self.requests);
+        write_u32(v, at + 8, self.prefilling);
+        write_u64(v, at + 16, self.tokens);
+    }
+}
+
+/// Model-server metrics for one endpoint, as last scraped.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Scraped {
+    pub waiting: f64,
+    pub running: f64,
+}
+
+/// Blends this gateway's load with what the model server reports, to see load other gateway
+/// replicas put there:
+///
+/// - requests others queued ≈ `max(0, waiting − our prefilling)`; each is assumed to carry
+///   the mean uncached tokens of our own prefilling requests (or `fallback_tokens` when we
+///   have none in flight), so `U' = U + others × mean`;
+/// - `A' = max(A, waiting + running)`.
+///
+/// A scrape is a snapshot taken up to one poll interval ago, so it only adds load that our
+/// own ledger cannot see; it never subtracts.
+pub fn blend(local: Load, scraped: Option<Scraped>, fallback_tokens: u64) -> Load {
+    let Some(m) = scraped else { return local };
+    let finite = |x: f64| if x.is_finite() && x > 0.0 { x } else { 0.0 };
+    let waiting = finite(m.waiting).round() as u64;
+    let running = finite(m.running).round() as u64;
+    let others = waiting.saturating_sub(local.prefilling);
+    let mean = match local.prefilling {
+        0 => fallback_tokens,
+        n => local.tokens / n,
+    };
+    Load {
+        tokens: local.tokens.saturating_add(others.saturating_mul(mean)),
+        requests: local.requests.max(waiting.saturating_add(running)),
+        prefilling: local.prefilling.max(waiting),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemStore;
+
+    #[test]
+    fn charge_and_release_paths() {
+        let s = MemStore::new();
+        let l = LoadLedger::new("t", 600);
+        let mut a = l.charge(&s, 0, 1000, 0).unwrap();
+        let mut b = l.charge(&s, 0, 500, 10).unwrap();
+        assert_eq!(
+            l.load(&s, 0, 10).unwrap(),
+            Load {
+                tokens: 1500,
+                requests: 2,
+                prefilling: 2
+            }
+        );
+        l.release_prefill(&s, &mut a).unwrap();
+        l.release_prefill(&s, &mut a).unwrap();
+        assert_eq!(
+            l.load(&s, 0, 20).unwrap(),
+            Load {
+                tokens: 500,
+                requests: 2,
+                prefilling: 1
+            }
+        );
+        l.release(&s, &mut b).unwrap();
+        l.release(&s, &mut a).unwrap();
+        l.release(&s, &mut a).unwrap();
+        assert!(a.is_released() && b.is_released());
+        assert_eq!(l.load(&s, 0, 30).unwrap(), Load::default());
+    }
+
+    #[test]
+    fn stale_charges_expire() {
+        let s = MemStore::new();
+        let l = LoadLedger::new("t", 70);
+        l.charge(&s, 3, 1000, 0).unwrap();
+        assert_eq!(l.load(&s, 3, 69_000).unwrap().tokens, 1000);
+        assert_eq!(l.load(&s, 3, 81_000).unwrap().tokens, 0);
+        // A new charge reuses the expired bucket; the late release of the old one is ignored.
+        let mut late = Charge {
+            slot: 3,
+            epoch: 0,
+            tokens: 1000,
+            prefill_held: true,
+            request_held: true,
+        };
+        let _fresh = l.charge(&s, 3, 200, 80_000 + 8 * 10_000).unwrap();
+        l.release(&s, &mut late).unwrap();
+        assert_eq!(l.load(&s, 3, 80_000 + 8 * 10_000).unwrap().tokens, 200);
+    }
+
+    #[test]
+    fn blend_adds_others_load() {
+        let local = Load {
+            tokens: 3000,
+            requests: 4,
+            prefilling: 3,
+        };
+        let b = blend(
+            local,
+            Some(Scraped {
+                waiting: 5.0,
+                running: 6.0,
+            }),
+            700,
+        );
+        assert_eq!(b.tokens, 3000 + 2 * 1000);
+        assert_eq!(b.requests, 11);
+        assert_eq!(blend(local, None, 1), local);
+        let idle = blend(
+            Load::default(),
+            Some(Scraped {
+                waiting: 2.0,
+                running: f64::NAN,
+            }),
+            700,
+        );
+        assert_eq!(idle.tokens, 1400);
+        assert_eq!(idle.requests, 2);
+    }
+}
+
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod props {
+    use super::*;
+    use crate::store::MemStore;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any interleaving of dispatch, first byte, completion, error and reset leaves the
+        /// ledger at zero once every request has ended, and never below zero on the way.
+        #[test]
+        fn returns_to_zero(ops in proptest::collection::vec((0u8..5, 0usize..16, 1u64..100_000), 1..200)) {
+            let s = MemStore::new();
+            let l = LoadLedger::new("p", 600);
+            let mut open: Vec<Charge> = Vec::new();
+            let mut now = 0;
+            for (op, pick, tokens) in ops {
+                now += 7;
+                match op {
+                    0 | 1 => open.push(l.charge(&s, (pick % 3) as u16, tokens, now).unwrap()),
+                    2 => {
+                        let n = open.len().max(1);
+                        if let Some(c) = open.get_mut(pick % n) { l.release_prefill(&s, c).unwrap() }
+                    }
+                    _ => {
+                        let n = open.len().max(1);
+                        if let Some(c) = open.get_mut(pick % n) { l.release(&s, c).unwrap() }
+                    }
+                }
+                let expect: u64 = open.iter().filter(|c| c.prefill_held).map(|c| c.tokens).sum();
+                let total: u64 = (0..3).map(|e| l.load(&s, e, now).unwrap().tokens).sum();
+                prop_assert_eq!(total, expect);
+            }
+            for c in open.iter_mut() {
+                l.release(&s, c).unwrap();
+            }
+            for e in 0..3 {
+                prop_assert_eq!(l.load(&s, e, now).unwrap(), Load::default());
+            }
+        }
+    }
+}

@@ -1,0 +1,234 @@
+//! Routing policies: given one request and the fleet as the tables see it, pick an endpoint
+//! and say why. One policy per file behind `Policy`; all are pure functions of their inputs
+//! (time and tie-breaking come in as arguments), so the simulator, the unit tests and the
+//! filter run the same decisions.
+
+mod always_sticky;
+mod least_load;
+mod round_robin;
+mod sticky_until_saturated;
+#[cfg(test)]
+pub(crate) mod testing;
+mod tokenaware;
+
+pub use always_sticky::AlwaysSticky;
+pub use least_load::LeastLoad;
+pub use round_robin::RoundRobin;
+pub use sticky_until_saturated::StickyUntilSaturated;
+pub use tokenaware::Tokenaware;
+
+use crate::config::{Config, GateForm, PolicyName, Scorer};
+use crate::ledger::Load;
+
+/// One endpoint as the tables see it at decision time.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Candidate {
+    /// Stable identity (hash of the address), for rendezvous hashing.
+    pub id: u64,
+    /// Leading blocks of this request the endpoint is believed to hold.
+    pub matched_blocks: usize,
+    pub load: Load,
+    /// Blocks stamped on the endpoint so far (index clock): how much cache churn it took.
+    pub clock: u64,
+    /// KV capacity in blocks.
+    pub capacity: u64,
+}
+
+/// The request as the policies see it.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask<'a> {
+    /// Prompt tokens `T`.
+    pub tokens: u64,
+    /// Block hashes of the prompt.
+    pub chain: &'a [u64],
+    /// Tokens per block.
+    pub block_tokens: u64,
+}
+
+impl Ask<'_> {
+    pub fn hit(&self, c: &Candidate) -> f64 {
+        match self.chain.len() {
+            0 => 0.0,
+            n => c.matched_blocks.min(n) as f64 / n as f64,
+        }
+    }
+
+    /// This request's tokens the endpoint would have to prefill (llm-d's uncached tokens:
+    /// unmatched blocks plus any tail beyond the hashed blocks).
+    pub fn uncached(&self, c: &Candidate) -> u64 {
+        self.tokens
+            .saturating_sub((c.matched_blocks as u64).saturating_mul(self.block_tokens))
+    }
+
+    /// Token-load cost: what is queued there plus what this request adds.
+    pub fn cost(&self, c: &Candidate) -> u64 {
+        c.load.tokens.saturating_add(self.uncached(c))
+    }
+}
+
+/// Why an endpoint was picked; also a stats label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// A warm endpoint, under the saturation gate.
+    Sticky,
+    /// The gate broke: load moved off the warm set.
+    Spill,
+    /// No endpoint warm for this prefix.
+    Cold,
+    /// The gate broke but every endpoint is past τ: stay warm rather than cold-fill.
+    AllSaturated,
+    /// A policy that ignores affinity (round robin, least load).
+    Balanced,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 5] = [
+        Reason::Sticky,
+        Reason::Spill,
+        Reason::Cold,
+        Reason::AllSaturated,
+        Reason::Balanced,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Reason::Sticky => "sticky",
+            Reason::Spill => "spill",
+            Reason::Cold => "cold",
+            Reason::AllSaturated => "all_saturated",
+            Reason::Balanced => "balanced",
+        }
+    }
+}
+
+/// A pick: candidate indices, best first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub endpoint: usize,
+    /// Next-best endpoints, for override_host to try if the first fails.
+    pub fallbacks: Vec<usize>,
+    pub reason: Reason,
+    /// The picked endpoint's match ratio.
+    pub hit: f64,
+    /// The picked endpoint's token cost (queued plus this request's uncached tokens).
+    pub cost: u64,
+    /// The saturation gate broke for this request.
+    pub tau_broken: bool,
+}
+
+/// Knobs every affinity policy shares.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Params {
+    pub tau: f64,
+    pub affinity_threshold: f64,
+    pub gate: GateForm,
+    pub scorer: Scorer,
+    pub fallbacks: usize,
+}
+
+impl Params {
+    pub fn from_config(c: &Config) -> Params {
+        Params {
+            tau: c.tau_tokens(),
+            affinity_threshold: c.affinity_threshold,
+            gate: c.gate,
+            scorer: c.scorer,
+            fallbacks: c.fallbacks as usize,
+        }
+    }
+}
+
+pub trait Policy {
+    fn name(&self) -> &'static str;
+    /// `seq` is a per-gateway request counter: it rotates ties and drives round robin.
+    /// `None` only when there are no candidates.
+    fn pick(&self, ask: &Ask, fleet: &[Candidate], seq: u64) -> Option<Decision>;
+}
+
+pub fn build(name: PolicyName, p: Params) -> Box<dyn Policy> {
+    match name {
+        PolicyName::RoundRobin => Box::new(RoundRobin { p }),
+        PolicyName::LeastLoad => Box::new(LeastLoad { p }),
+        PolicyName::AlwaysSticky => Box::new(AlwaysSticky { p }),
+        PolicyName::StickyUntilSaturated => Box::new(StickyUntilSaturated { p }),
+        PolicyName::Tokenaware => Box::new(Tokenaware { p }),
+    }
+}
+
+// === shared pieces ===
+
+/// Indices of warm endpoints (match ratio at or above the threshold).
+fn warm(ask: &Ask, fleet: &[Candidate], threshold: f64) -> Vec<usize> {
+    if threshold <= 0.0 || ask.chain.is_empty() {
+        return Vec::new();
+    }
+    (0..fleet.len())
+        .filter(|&i| ask.hit(&fleet[i]) >= threshold)
+        .collect()
+}
+
+/// The index in `among` minimising `key`; equal keys rotate with `seq`, so a burst of equal
+/// requests spreads instead of landing on the first endpoint.
+fn argmin<K: PartialOrd + Copy>(
+    among: &[usize],
+    seq: u64,
+    key: impl Fn(usize) -> K,
+) -> Option<usize> {
+    let best = among
+        .iter()
+        .map(|&i| key(i))
+        .reduce(|a, b| if b < a { b } else { a })?;
+    let ties: Vec<usize> = among.iter().copied().filter(|&i| key(i) <= best).collect();
+    ties.get((seq % ties.len().max(1) as u64) as usize).copied()
+}
+
+/// Pick by the configured scorer: token cost, or active requests then token cost.
+fn score_pick(
+    ask: &Ask,
+    fleet: &[Candidate],
+    among: &[usize],
+    scorer: Scorer,
+    seq: u64,
+) -> Option<usize> {
+    match scorer {
+        Scorer::TokenLoad => argmin(among, seq, |i| ask.cost(&fleet[i])),
+        Scorer::ActiveRequest => argmin(among, seq, |i| {
+            (fleet[i].load.requests, ask.cost(&fleet[i]))
+        }),
+    }
+}
+
+/// Rendezvous (highest random weight) score of an endpoint for a key: every gateway that
+/// sees the same candidates and key ranks them the same way.
+fn rendezvous(key: u64, id: u64) -> u64 {
+    let mut x = key ^ id.rotate_left(17) ^ 0xA076_1D64_78BD_642F;
+    x = (x ^ (x >> 32)).wrapping_mul(0xE703_7ED1_A0B4_28DB);
+    x ^ (x >> 29)
+}
+
+fn all(fleet: &[Candidate]) -> Vec<usize> {
+    (0..fleet.len()).collect()
+}
+
+/// Builds the decision: the picked endpoint, then the others by ascending cost.
+fn decide(
+    ask: &Ask,
+    fleet: &[Candidate],
+    pick: usize,
+    reason: Reason,
+    tau_broken: bool,
+    p: &Params,
+) -> Decision {
+    let mut rest: Vec<usize> = (0..fleet.len()).filter(|&i| i != pick).collect();
+    rest.sort_by_key(|&i| ask.cost(&fleet[i]));
+    rest.truncate(p.fallbacks);
+    let c = fleet.get(pick).copied().unwrap_or_default();
+    Decision {
+        endpoint: pick,
+        fallbacks: rest,
+        reason,
+        hit: ask.hit(&c),
+        cost: ask.cost(&c),
+        tau_broken,
+    }
+}

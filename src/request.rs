@@ -1,0 +1,664 @@
+//! OpenAI request parsing: turns a completions, chat-completions or responses body into the
+//! model, a few scheduling fields and the canonical prompt bytes the prefix hash runs over.
+//! It leaves out tokenization, chat templates and validation the router does not need
+//! (unknown fields are ignored), and never logs anything from the prompt.
+
+use serde_json::{Map, Value};
+use std::io::Write;
+use xxhash_rust::xxh3::Xxh3;
+
+const US: u8 = 0x1F;
+const RS: u8 = 0x1E;
+
+/// Which OpenAI endpoint a body belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ApiKind {
+    Completions,
+    ChatCompletions,
+    Responses,
+}
+
+impl ApiKind {
+    /// Maps a request path (query string ignored) to a kind: "/v1/completions",
+    /// "/v1/chat/completions", "/v1/responses". One trailing `/` is tolerated.
+    pub fn from_path(path: &str) -> Option<ApiKind> {
+        let path = path.split(['?', '#']).next().unwrap_or(path);
+        let path = path.strip_suffix('/').unwrap_or(path);
+        match path {
+            "/v1/completions" => Some(ApiKind::Completions),
+            "/v1/chat/completions" => Some(ApiKind::ChatCompletions),
+            "/v1/responses" => Some(ApiKind::Responses),
+            _ => None,
+        }
+    }
+
+    /// Stable snake_case label for stats and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ApiKind::Completions => "completions",
+            ApiKind::ChatCompletions => "chat_completions",
+            ApiKind::Responses => "responses",
+        }
+    }
+}
+
+/// Bounds applied before any JSON parsing happens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParseLimits {
+    pub max_body_bytes: usize,
+    pub max_depth: usize,
+}
+
+impl Default for ParseLimits {
+    fn default() -> Self {
+        ParseLimits {
+            max_body_bytes: 8 * 1024 * 1024,
+            max_depth: 64,
+        }
+    }
+}
+
+/// What the router needs from one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InferenceRequest {
+    pub model: String,
+    /// Canonical prompt bytes (the only copy of the prompt kept).
+    pub prompt: Vec<u8>,
+    /// `Some(n)` when the prompt was given as token ids (exact token count).
+    pub prompt_token_ids: Option<u64>,
+    pub stream: bool,
+    /// `max_tokens`, or `max_completion_tokens`, or `max_output_tokens`.
+    pub max_tokens: Option<u64>,
+    pub cache_salt: Option<String>,
+}
+
+/// Why a body was not routable by prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParseError {
+    TooLarge,
+    NotJson,
+    TooDeep,
+    NotObject,
+    NoModel,
+    NoPrompt,
+    /// The named field has a type the API does not allow.
+    WrongType(&'static str),
+}
+
+impl ParseError {
+    /// Stable snake_case label for stats.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ParseError::TooLarge => "too_large",
+            ParseError::NotJson => "not_json",
+            ParseError::TooDeep => "too_deep",
+            ParseError::NotObject => "not_object",
+            ParseError::NoModel => "no_model",
+            ParseError::NoPrompt => "no_prompt",
+            ParseError::WrongType(_) => "wrong_type",
+        }
+    }
+}
+
+impl std::fmt::Display for ParseError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ParseError::WrongType(field) => write!(f, "wrong_type: field `{field}`"),
+            other => f.write_str(other.as_str()),
+        }
+    }
+}
+
+/// Parses one request body of the given kind.
+///
+/// Canonical bytes (`US` = 0x1F, `RS` = 0x1E); appending a message only appends bytes:
+/// - completions: a string is its UTF-8 bytes; a string array is joined with `RS` (so a
+///   one-element array equals the plain string); token ids, flat or nested, are 4 little-endian
+///   bytes each, concatenated, with `prompt_token_ids = Some(count)`.
+/// - chat: compact JSON of a non-empty `tools` + `RS`, then per message `role US content`
+///   `[US "tool_calls=" json][US "name=" name][US "tool_call_id=" id] RS`. Content is the string
+///   or the text parts concatenated; other parts become `<type:xxh3_64 hex of payload JSON>`.
+/// - responses: tools as in chat, `instructions` as a `system` record, then `input`: a string
+///   as raw bytes, or items like chat messages (other items: `type US json RS`).
+pub fn parse(
+    kind: ApiKind,
+    body: &[u8],
+    limits: &ParseLimits,
+) -> Result<InferenceRequest, ParseError> {
+    if body.len() > limits.max_body_bytes {
+        return Err(ParseError::TooLarge);
+    }
+    if nesting_exceeds(body, limits.max_depth) {
+        return Err(ParseError::TooDeep);
+    }
+    let value: Value = serde_json::from_slice(body).map_err(|_| ParseError::NotJson)?;
+    let Value::Object(obj) = value else {
+        return Err(ParseError::NotObject);
+    };
+    let model = opt_str(&obj, "model")?.filter(|m| !m.is_empty());
+    let model = model.ok_or(ParseError::NoModel)?.to_owned();
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ParseError::WrongType("stream")),
+    };
+    let max_tokens = max_tokens(&obj)?;
+    let cache_salt = opt_str(&obj, "cache_salt")?.map(str::to_owned);
+    let mut out = Vec::with_capacity(body.len());
+    let prompt_token_ids = match kind {
+        ApiKind::Completions => completions(&obj, &mut out)?,
+        ApiKind::ChatCompletions => chat(&obj, &mut out).map(|()| None)?,
+        ApiKind::Responses => responses(&obj, &mut out).map(|()| None)?,
+    };
+    // Bodies that are mostly base64 media shrink a lot; do not hold the reservation.
+    if out.capacity() > 2 * out.len() + 4096 {
+        out.shrink_to_fit();
+    }
+    Ok(InferenceRequest {
+        model,
+        prompt: out,
+        prompt_token_ids,
+        stream,
+        max_tokens,
+        cache_salt,
+    })
+}
+
+/// True when `[`/`{` nesting outside strings goes beyond `max_depth`. Runs before serde_json so
+/// absurdly deep bodies are rejected without recursion.
+fn nesting_exceeds(body: &[u8], max_depth: usize) -> bool {
+    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+    for &b in body {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                if depth > max_depth {
+                    return true;
+                }
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    false
+}
+
+/// A string field; null counts as absent.
+fn opt_str<'a>(
+    obj: &'a Map<String, Value>,
+    field: &'static str,
+) -> Result<Option<&'a str>, ParseError> {
+    match obj.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(ParseError::WrongType(field)),
+    }
+}
+
+/// First present of the three output-length fields; null counts as absent.
+fn max_tokens(obj: &Map<String, Value>) -> Result<Option<u64>, ParseError> {
+    for field in ["max_tokens", "max_completion_tokens", "max_output_tokens"] {
+        match obj.get(field) {
+            None | Some(Value::Null) => continue,
+            Some(v) => return v.as_u64().map(Some).ok_or(ParseError::WrongType(field)),
+        }
+    }
+    Ok(None)
+}
+
+/// Completions `prompt`; returns the token count when the prompt was token ids.
+fn completions(obj: &Map<String, Value>, out: &mut Vec<u8>) -> Result<Option<u64>, ParseError> {
+    const WRONG: ParseError = ParseError::WrongType("prompt");
+    let items = match obj.get("prompt") {
+        None | Some(Value::Null) => return Err(ParseError::NoPrompt),
+        Some(Value::String(s)) if s.is_empty() => return Err(ParseError::NoPrompt),
+        Some(Value::String(s)) => {
+            out.extend_from_slice(s.as_bytes());
+            return Ok(None);
+        }
+        Some(Value::Array(items)) => items,
+        Some(_) => return Err(WRONG),
+    };
+    match items.first() {
+        None => Err(ParseError::NoPrompt),
+        Some(Value::String(_)) => {
+            for (i, item) in items.iter().enumerate() {
+                let s = item.as_str().ok_or(WRONG)?;
+                if i > 0 {
+                    out.push(RS);
+                }
+                out.extend_from_slice(s.as_bytes());
+            }
+            Ok(None)
+        }
+        Some(Value::Array(_)) => {
+            let mut count = 0;
+            for item in items {
+                count += push_token_ids(item.as_array().ok_or(WRONG)?, out)?;
+            }
+            nonzero(count)
+        }
+        Some(_) => nonzero(push_token_ids(items, out)?),
+    }
+}
+
+fn nonzero(count: u64) -> Result<Option<u64>, ParseError> {
+    if count == 0 {
+        Err(ParseError::NoPrompt)
+    } else {
+        Ok(Some(count))
+    }
+}
+
+/// Appends each id as 4 little-endian bytes, so one token is one 4-byte unit of the hash.
+fn push_token_ids(ids: &[Value], out: &mut Vec<u8>) -> Result<u64, ParseError> {
+    for id in ids {
+        let id = id
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or(ParseError::WrongType("prompt"))?;
+        out.extend_from_slice(&id.to_le_bytes());
+    }
+    Ok(ids.len() as u64)
+}
+
+fn chat(obj: &Map<String, Value>, out: &mut Vec<u8>) -> Result<(), ParseError> {
+    let messages = match obj.get("messages") {
+        None | Some(Value::Null) => return Err(ParseError::NoPrompt),
+        Some(Value::Array(m)) if m.is_empty() => return Err(ParseError::NoPrompt),
+        Some(Value::Array(m)) => m,
+        Some(_) => return Err(ParseError::WrongType("messages")),
+    };
+    push_tools(obj, out)?;
+    for message in messages {
+        let message = message
+            .as_object()
+            .ok_or(ParseError::WrongType("messages"))?;
+        push_message(message, out)?;
+    }
+    Ok(())
+}
+
+fn responses(obj: &Map<String, Value>, out: &mut Vec<u8>) -> Result<(), ParseError> {
+    let input = match obj.get("input") {
+        None | Some(Value::Null) => return Err(ParseError::NoPrompt),
+        Some(Value::String(s)) if s.is_empty() => return Err(ParseError::NoPrompt),
+        Some(Value::Array(a)) if a.is_empty() => return Err(ParseError::NoPrompt),
+        Some(v @ (Value::String(_) | Value::Array(_))) => v,
+        Some(_) => return Err(ParseError::WrongType("input")),
+    };
+    push_tools(obj, out)?;
+    if let Some(text) = opt_str(obj, "instructions")? {
+        out.extend_from_slice(b"system\x1f");
+        out.extend_from_slice(text.as_bytes());
+        out.push(RS);
+    }
+    let items = match input {
+        Value::Array(items) => items,
+        other => {
+            out.extend_from_slice(other.as_str().unwrap_or_default().as_bytes());
+            return Ok(());
+        }
+    };
+    for item in items {
+        let item = item.as_object().ok_or(ParseError::WrongType("input"))?;
+        if item.contains_key("role") || item.contains_key("content") {
+            push_message(item, out)?;
+        } else {
+            // function_call, function_call_output, reasoning, ...: keep them whole.
+            let kind = item.get("type").and_then(Value::as_str).unwrap_or("item");
+            out.extend_from_slice(kind.as_bytes());
+            out.push(US);
+            write_json(item, out)?;
+            out.push(RS);
+        }
+    }
+    Ok(())
+}
+
+/// Tools go first: they precede the conversation in every chat template.
+fn push_tools(obj: &Map<String, Value>, out: &mut Vec<u8>) -> Result<(), ParseError> {
+    match obj.get("tools") {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::Array(a)) if a.is_empty() => Ok(()),
+        Some(tools) => {
+            write_json(tools, out)?;
+            out.push(RS);
+            Ok(())
+        }
+    }
+}
+
+/// Compact JSON: deterministic, so equal input gives equal bytes.
+fn write_json<T: serde::Serialize>(value: &T, out: &mut Vec<u8>) -> Result<(), ParseError> {
+    serde_json::to_writer(out, value).map_err(|_| ParseError::NotJson)
+}
+
+/// One chat message or responses message item, as one `RS`-terminated record.
+fn push_message(message: &Map<String, Value>, out: &mut Vec<u8>) -> Result<(), ParseError> {
+    let role = opt_str(message, "role")?.unwrap_or_default();
+    out.extend_from_slice(role.as_bytes());
+    out.push(US);
+    match message.get("content") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) => out.extend_from_slice(s.as_bytes()),
+        Some(Value::Array(parts)) => {
+            for part in parts {
+                push_part(part, out)?;
+            }
+        }
+        Some(_) => return Err(ParseError::WrongType("content")),
+    }
+    for field in ["tool_calls", "name", "tool_call_id"] {
+        let Some(value) = message.get(field).filter(|v| !v.is_null()) else {
+            continue;
+        };
+        out.push(US);
+        out.extend_from_slice(field.as_bytes());
+        out.push(b'=');
+        match value {
+            Value::String(s) => out.extend_from_slice(s.as_bytes()),
+            other => write_json(other, out)?,
+        }
+    }
+    out.push(RS);
+    Ok(())
+}
+
+/// Text parts contribute their text; anything else a short hash placeholder.
+fn push_part(part: &Value, out: &mut Vec<u8>) -> Result<(), ParseError> {
+    const WRONG: ParseError = ParseError::WrongType("content");
+    let part = match part {
+        Value::String(s) => {
+            out.extend_from_slice(s.as_bytes());
+            return Ok(());
+        }
+        Value::Object(p) => p,
+        _ => return Err(WRONG),
+    };
+    let kind = part.get("type").and_then(Value::as_str).unwrap_or("part");
+    if matches!(kind, "text" | "input_text" | "output_text") {
+        let text = part.get("text").and_then(Value::as_str).ok_or(WRONG)?;
+        out.extend_from_slice(text.as_bytes());
+        return Ok(());
+    }
+    // Hash the payload (e.g. the `image_url` object), else the whole part.
+    let mut hasher = HashWriter(Xxh3::new());
+    let hashed = match part.get(kind) {
+        Some(payload) => serde_json::to_writer(&mut hasher, payload),
+        None => serde_json::to_writer(&mut hasher, part),
+    };
+    hashed.map_err(|_| ParseError::NotJson)?;
+    write!(out, "<{kind}:{:016x}>", hasher.0.digest()).map_err(|_| ParseError::NotJson)
+}
+
+/// Streams serialized JSON into the hasher, so a large base64 image is never copied.
+struct HashWriter(Xxh3);
+
+impl Write for HashWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ApiKind::{ChatCompletions as Chat, Completions as Comp, Responses as Resp};
+    use ParseError::*;
+
+    fn p(kind: ApiKind, body: &str) -> Result<InferenceRequest, ParseError> {
+        parse(kind, body.as_bytes(), &ParseLimits::default())
+    }
+
+    fn chat_body(messages: &[(&str, &str)], tools: bool) -> String {
+        let msgs: Vec<Value> = messages
+            .iter()
+            .map(|(r, c)| serde_json::json!({"role": r, "content": c}))
+            .collect();
+        let mut body = serde_json::json!({"model": "m", "messages": msgs});
+        if tools {
+            body["tools"] = serde_json::json!([{"type":"function","function":{"name":"f"}}]);
+        }
+        body.to_string()
+    }
+
+    #[test]
+    fn paths() {
+        assert_eq!(ApiKind::from_path("/v1/chat/completions?x=1"), Some(Chat));
+        assert_eq!(ApiKind::from_path("/v1/completions"), Some(Comp));
+        assert_eq!(ApiKind::from_path("/v1/responses/"), Some(Resp));
+        assert_eq!(ApiKind::from_path("/v1/models"), None);
+        assert_eq!(ApiKind::from_path(""), None);
+        assert_eq!(Resp.as_str(), "responses");
+    }
+
+    #[test]
+    fn completions_string_and_fields() {
+        let body = r#"{"model":"m","prompt":"hi","stream":true,"max_tokens":7,"cache_salt":"s"}"#;
+        let r = p(Comp, body).unwrap();
+        assert_eq!((r.model.as_str(), r.prompt.as_slice()), ("m", &b"hi"[..]));
+        assert_eq!(
+            (r.prompt_token_ids, r.stream, r.max_tokens),
+            (None, true, Some(7))
+        );
+        assert_eq!(r.cache_salt.as_deref(), Some("s"));
+        let r = p(Comp, r#"{"model":"m","prompt":["ab","c"]}"#).unwrap();
+        assert_eq!(r.prompt, b"ab\x1ec");
+        let one = p(Comp, r#"{"model":"m","prompt":["ab"]}"#).unwrap();
+        assert_eq!(one.prompt, b"ab");
+    }
+
+    #[test]
+    fn completions_token_ids() {
+        let r = p(Comp, r#"{"model":"m","prompt":[1,258]}"#).unwrap();
+        assert_eq!(r.prompt, [1, 0, 0, 0, 2, 1, 0, 0]);
+        assert_eq!(r.prompt_token_ids, Some(2));
+        let nested = p(Comp, r#"{"model":"m","prompt":[[1],[2,3]]}"#).unwrap();
+        assert_eq!(
+            (nested.prompt.len(), nested.prompt_token_ids),
+            (12, Some(3))
+        );
+        let wrong = WrongType("prompt");
+        assert_eq!(
+            p(Comp, r#"{"model":"m","prompt":[4294967296]}"#),
+            Err(wrong)
+        );
+        assert_eq!(p(Comp, r#"{"model":"m","prompt":[1,"a"]}"#), Err(wrong));
+        assert_eq!(p(Comp, r#"{"model":"m","prompt":[[]]}"#), Err(NoPrompt));
+    }
+
+    #[test]
+    fn max_tokens_variants() {
+        let c =
+            r#"{"model":"m","messages":[{"role":"u","content":"x"}],"max_completion_tokens":9}"#;
+        assert_eq!(p(Chat, c).unwrap().max_tokens, Some(9));
+        let r = r#"{"model":"m","input":"x","max_output_tokens":5}"#;
+        assert_eq!(p(Resp, r).unwrap().max_tokens, Some(5));
+        let bad = r#"{"model":"m","input":"x","max_output_tokens":-5}"#;
+        assert_eq!(p(Resp, bad), Err(WrongType("max_output_tokens")));
+    }
+
+    #[test]
+    fn chat_strings_and_tools() {
+        let r = p(Chat, &chat_body(&[("user", "hi")], false)).unwrap();
+        assert_eq!(r.prompt, b"user\x1fhi\x1e");
+        let t = p(Chat, &chat_body(&[("user", "hi")], true)).unwrap();
+        assert!(t
+            .prompt
+            .starts_with(br#"[{"function":{"name":"f"},"type":"function"}]"#));
+        assert!(t.prompt.ends_with(b"\x1euser\x1fhi\x1e"));
+        // The model seeds the hash elsewhere; it must not be part of the prompt bytes.
+        let named = chat_body(&[("user", "hi")], false).replace("\"m\"", "\"MODELNAME\"");
+        let named = p(Chat, &named).unwrap();
+        assert_eq!(
+            (named.model.as_str(), &named.prompt),
+            ("MODELNAME", &r.prompt)
+        );
+    }
+
+    #[test]
+    fn chat_parts_and_tool_calls() {
+        let body = r#"{"model":"m","messages":[
+            {"role":"user","content":[{"type":"text","text":"a"},
+                {"type":"image_url","image_url":{"url":"data:xyz"}},{"type":"text","text":"b"}]},
+            {"role":"assistant","content":null,"tool_calls":[{"id":"1"}]},
+            {"role":"tool","content":"r","tool_call_id":"1"}]}"#;
+        let r = p(Chat, body).unwrap();
+        let s = String::from_utf8(r.prompt.clone()).unwrap();
+        assert!(s.starts_with("user\x1fa<image_url:"), "{s:?}");
+        assert!(s.contains(">b\x1eassistant\x1f\x1ftool_calls=[{\"id\":\"1\"}]\x1e"));
+        assert!(s.ends_with("tool\x1fr\x1ftool_call_id=1\x1e"));
+        assert_eq!(p(Chat, body).unwrap().prompt, r.prompt);
+        let other = body.replace("data:xyz", "data:xyw");
+        assert_ne!(p(Chat, &other).unwrap().prompt, r.prompt);
+    }
+
+    #[test]
+    fn chat_prefix_property() {
+        let turns = [
+            ("system", "s"),
+            ("user", "u"),
+            ("assistant", "a"),
+            ("user", "v"),
+        ];
+        for tools in [false, true] {
+            for n in 1..turns.len() {
+                let short = p(Chat, &chat_body(&turns[..n], tools)).unwrap().prompt;
+                let long = p(Chat, &chat_body(&turns[..=n], tools)).unwrap().prompt;
+                assert!(long.starts_with(&short) && long.len() > short.len());
+            }
+        }
+    }
+
+    #[test]
+    fn responses_shapes_and_prefix() {
+        let s = p(Resp, r#"{"model":"m","input":"hey","instructions":"be"}"#).unwrap();
+        assert_eq!(s.prompt, b"system\x1fbe\x1ehey");
+        let item = |t: &str| {
+            format!(r#"{{"role":"user","content":[{{"type":"input_text","text":"{t}"}}]}}"#)
+        };
+        let call = r#"{"type":"function_call","call_id":"c","name":"f","arguments":"{}"}"#;
+        let body =
+            |items: &str| format!(r#"{{"model":"m","instructions":"be","input":[{items}]}}"#);
+        let short = p(Resp, &body(&item("a"))).unwrap().prompt;
+        let long = p(Resp, &body(&format!("{},{call},{}", item("a"), item("b")))).unwrap();
+        assert_eq!(short, b"system\x1fbe\x1euser\x1fa\x1e");
+        assert!(long.prompt.starts_with(&short));
+        assert!(long.prompt.ends_with(b"user\x1fb\x1e"));
+    }
+
+    #[test]
+    fn errors() {
+        let small = ParseLimits {
+            max_body_bytes: 4,
+            ..ParseLimits::default()
+        };
+        assert_eq!(parse(Comp, b"{\"a\":1}", &small), Err(TooLarge));
+        let bad_utf8 = b"{\"model\":\"\xff\",\"prompt\":\"x\"}";
+        assert_eq!(parse(Comp, bad_utf8, &ParseLimits::default()), Err(NotJson));
+        let w = WrongType;
+        let cases = [
+            (Comp, "{nope", NotJson),
+            (Comp, "[1]", NotObject),
+            (Comp, r#"{"prompt":"x"}"#, NoModel),
+            (Comp, r#"{"model":""}"#, NoModel),
+            (Comp, r#"{"model":"m"}"#, NoPrompt),
+            (Chat, r#"{"model":"m","messages":[]}"#, NoPrompt),
+            (Resp, r#"{"model":"m","input":""}"#, NoPrompt),
+            (Comp, r#"{"model":1}"#, w("model")),
+            (Comp, r#"{"model":"m","stream":"y"}"#, w("stream")),
+            (Comp, r#"{"model":"m","max_tokens":1.5}"#, w("max_tokens")),
+            (Comp, r#"{"model":"m","prompt":{}}"#, w("prompt")),
+            (Chat, r#"{"model":"m","messages":"x"}"#, w("messages")),
+            (Chat, r#"{"model":"m","messages":[1]}"#, w("messages")),
+            (
+                Chat,
+                r#"{"model":"m","messages":[{"content":5}]}"#,
+                w("content"),
+            ),
+            (Resp, r#"{"model":"m","input":5}"#, w("input")),
+        ];
+        for (kind, body, err) in cases {
+            assert_eq!(p(kind, body), Err(err), "{body}");
+        }
+        assert_eq!(WrongType("x").as_str(), "wrong_type");
+        assert_eq!(WrongType("x").to_string(), "wrong_type: field `x`");
+    }
+
+    #[test]
+    fn deep_nesting_is_rejected_before_serde() {
+        let body = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
+        assert_eq!(p(Comp, &body), Err(TooDeep));
+        let quoted = format!(r#"{{"model":"m","prompt":"{}\"{}"}}"#, "[".repeat(100), "{");
+        assert!(p(Comp, &quoted).is_ok());
+    }
+
+    #[test]
+    fn many_messages() {
+        let turns = vec![("user", "hello there"); 50_000];
+        let r = p(Chat, &chat_body(&turns, true)).unwrap();
+        assert!(r.prompt.len() > 50_000 * 16);
+    }
+
+    #[cfg(not(target_arch = "wasm32"))]
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        const SEEDS: [(ApiKind, &str); 3] = [
+            (Comp, r#"{"model":"m","prompt":[[1,2],[3]],"max_tokens":3}"#),
+            (
+                Chat,
+                r#"{"model":"m","tools":[{"a":1}],"messages":[{"role":"user","content":[{"type":"text","text":"a\"b"},{"type":"image_url","image_url":{"url":"u"}}]}]}"#,
+            ),
+            (
+                Resp,
+                r#"{"model":"m","instructions":"i","input":[{"role":"user","content":"x"},{"type":"t"}]}"#,
+            ),
+        ];
+
+        fn all_kinds(body: &[u8]) {
+            for kind in [Comp, Chat, Resp] {
+                let _ = parse(kind, body, &ParseLimits::default());
+            }
+        }
+
+        proptest! {
+            #[test]
+            fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
+                all_kinds(&body);
+            }
+
+            #[test]
+            fn mutations_never_panic(
+                seed in 0usize..3, op in 0u8..3, at in any::<prop::sample::Index>(), byte in any::<u8>()
+            ) {
+                let (kind, text) = SEEDS[seed % 3];
+                let mut body = text.as_bytes().to_vec();
+                prop_assert!(parse(kind, &body, &ParseLimits::default()).is_ok());
+                let i = at.index(body.len());
+                match op {
+                    0 => body[i] ^= byte | 1,
+                    1 => body.truncate(i),
+                    _ => body.insert(i, byte),
+                }
+                all_kinds(&body);
+            }
+        }
+    }
+}

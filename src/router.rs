@@ -1,0 +1,355 @@
+//! The decision for one request, end to end over the shared tables: match the prefix against
+//! every healthy endpoint, read their load, let the policy pick, then charge the ledger and
+//! record the prefix in the index at pick time. Also the request's later life: first byte,
+//! end, failure. The simulator and the filter both call this; neither has its own policy.
+
+use crate::config::Config;
+use crate::endpoints::Endpoint;
+use crate::index::{AffinityIndex, InsertReceipt};
+use crate::ledger::{blend, Charge, LoadLedger};
+use crate::policy::{self, Ask, Candidate, Decision, Params, Policy};
+use crate::prefix::{chain_seed, hash_prompt, BlockChain};
+use crate::request::InferenceRequest;
+use crate::store::{SharedStore, StoreError};
+
+/// Why a request could not be routed; the caller lets Envoy's own balancing take it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouteError {
+    NoEndpoints,
+    Store,
+}
+
+impl RouteError {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            RouteError::NoEndpoints => "no_endpoints",
+            RouteError::Store => "store",
+        }
+    }
+}
+
+impl From<StoreError> for RouteError {
+    fn from(_: StoreError) -> Self {
+        RouteError::Store
+    }
+}
+
+/// A routed request: where it went, and what it holds in the tables until it ends.
+#[derive(Debug, Clone)]
+pub struct Routed {
+    pub decision: Decision,
+    /// Picked endpoint first, then the fallbacks.
+    pub addresses: Vec<String>,
+    pub charge: Charge,
+    pub receipt: InsertReceipt,
+    /// Prompt tokens and the ones the picked endpoint must prefill.
+    pub tokens: u64,
+    pub uncached: u64,
+    first_byte_seen: bool,
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Completed, or failed after the endpoint started answering.
+    Done,
+    /// Failed before any response byte (reset, connect failure, timeout, 5xx headers):
+    /// the endpoint never cached the prompt, so the index insert is undone.
+    FailedEarly,
+}
+
+pub struct Router {
+    pub cfg: Config,
+    pub params: Params,
+    policy: Box<dyn Policy>,
+    pub index: AffinityIndex,
+    pub ledger: LoadLedger,
+    seq: u64,
+}
+
+impl Router {
+    pub fn new(cfg: Config) -> Router {
+        let params = Params::from_config(&cfg);
+        let per_endpoint = cfg.capacity_blocks(cfg.kv_capacity_tokens);
+        let index = AffinityIndex::new(
+            &cfg.namespace,
+            per_endpoint.saturating_mul(u64::from(cfg.max_endpoints)),
+            cfg.index_headroom,
+        );
+        let ledger = LoadLedger::new(&cfg.namespace, cfg.request_ttl_seconds);
+        Router {
+            policy: policy::build(cfg.policy, params),
+            params,
+            index,
+            ledger,
+            seq: 0,
+            cfg,
+        }
+    }
+
+    pub fn policy_name(&self) -> &'static str {
+        self.policy.name()
+    }
+
+    /// Seeds the per-request counter (rotation of ties), e.g. with a per-VM random value so
+    /// worker VMs do not rotate in step.
+    pub fn set_seq(&mut self, seq: u64) {
+        self.seq = seq;
+    }
+
+    /// Writes each endpoint's capacity into the index headers. Call on table changes, not
+    /// per request.
+    pub fn sync_capacities<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        eps: &[Endpoint],
+    ) -> Result<(), StoreError> {
+        for e in eps {
+            self.index.set_capacity(s, e.slot, e.capacity_blocks)?;
+        }
+        Ok(())
+    }
+
+    /// Forgets a removed (or cold-restarted) endpoint's index entries and load.
+    pub fn clear_slot<S: SharedStore + ?Sized>(&self, s: &S, slot: u16) -> Result<(), StoreError> {
+        self.index.clear_endpoint(s, slot)?;
+        self.ledger.clear(s, slot)
+    }
+
+    /// Prompt tokens: exact when the client sent token ids, else estimated from bytes.
+    pub fn prompt_tokens(&self, req: &InferenceRequest) -> u64 {
+        match req.prompt_token_ids {
+            Some(n) => n,
+            None => (req.prompt.len() as f64 / self.cfg.bytes_per_token).ceil() as u64,
+        }
+    }
+
+    pub fn hash(&self, req: &InferenceRequest) -> BlockChain {
+        let seed = chain_seed(&req.model, req.cache_salt.as_deref());
+        hash_prompt(
+            seed,
+            &req.prompt,
+            self.cfg.block_bytes(),
+            self.cfg.max_prefix_blocks as usize,
+        )
+    }
+
+    /// Picks an endpoint for a hashed prompt of `tokens` tokens and takes its place in the
+    /// ledger and the index.
+    pub fn route<S: SharedStore + ?Sized>(
+        &mut self,
+        s: &S,
+        eps: &[Endpoint],
+        chain: &BlockChain,
+        tokens: u64,
+        now_ms: u64,
+    ) -> Result<Routed, RouteError> {
+        let healthy: Vec<&Endpoint> = eps.iter().filter(|e| e.healthy).collect();
+        if healthy.is_empty() {
+            return Err(RouteError::NoEndpoints);
+        }
+        let fleet = self.candidates(s, &healthy, chain, tokens, now_ms)?;
+        let ask = Ask {
+            tokens,
+            chain: &chain.hashes,
+            block_tokens: u64::from(self.cfg.block_size_tokens),
+        };
+        self.seq = self.seq.wrapping_add(1);
+        let decision = self
+            .policy
+            .pick(&ask, &fleet, self.seq)
+            .ok_or(RouteError::NoEndpoints)?;
+        let picked = healthy
+            .get(decision.endpoint)
+            .ok_or(RouteError::NoEndpoints)?;
+        let uncached = fleet
+            .get(decision.endpoint)
+            .map(|c| ask.uncached(c))
+            .unwrap_or(tokens);
+        let mut charge = self.ledger.charge(s, picked.slot, uncached, now_ms)?;
+        let receipt =
+            match self
+                .index
+                .insert(s, picked.slot, chain.full_blocks(), (now_ms / 1000) as u32)
+            {
+                Ok(r) => r,
+                Err(e) => {
+                    // Never leave load behind on a path that does not return the charge.
+                    let _ = self.ledger.release(s, &mut charge);
+                    return Err(e.into());
+                }
+            };
+        let addresses = std::iter::once(decision.endpoint)
+            .chain(decision.fallbacks.iter().copied())
+            .filter_map(|i| healthy.get(i).map(|e| e.address.clone()))
+            .collect();
+        Ok(Routed {
+            decision,
+            addresses,
+            charge,
+            receipt,
+            tokens,
+            uncached,
+            first_byte_seen: false,
+        })
+    }
+
+    fn candidates<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        healthy: &[&Endpoint],
+        chain: &BlockChain,
+        tokens: u64,
+        now_ms: u64,
+    ) -> Result<Vec<Candidate>, StoreError> {
+        let stale = self
+            .cfg
+            .metrics
+            .as_ref()
+            .map(|m| m.stale_after_ms)
+            .unwrap_or(0);
+        healthy
+            .iter()
+            .map(|e| {
+                let m = self.index.matched(s, e.slot, &chain.hashes)?;
+                let local = self.ledger.load(s, e.slot, now_ms)?;
+                Ok(Candidate {
+                    id: e.id(),
+                    matched_blocks: m.blocks,
+                    load: blend(local, e.scraped(now_ms, stale), tokens),
+                    clock: m.clock,
+                    capacity: m.capacity,
+                })
+            })
+            .collect()
+    }
+
+    /// The first response byte: the prompt is prefilled.
+    pub fn first_byte<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        r: &mut Routed,
+    ) -> Result<(), StoreError> {
+        r.first_byte_seen = true;
+        self.ledger.release_prefill(s, &mut r.charge)
+    }
+
+    /// The request ended. Idempotent.
+    pub fn finish<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        r: &mut Routed,
+        outcome: Outcome,
+    ) -> Result<(), StoreError> {
+        if outcome == Outcome::FailedEarly && !r.first_byte_seen && !r.receipt.written.is_empty() {
+            let receipt = std::mem::take(&mut r.receipt);
+            self.index.rollback(s, &receipt)?;
+        }
+        self.ledger.release(s, &mut r.charge)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoints::EndpointTable;
+    use crate::request::{parse, ApiKind, ParseLimits};
+    use crate::store::MemStore;
+
+    fn router(extra: &str) -> (Router, EndpointTable, MemStore) {
+        let json = format!(
+            r#"{{"endpoints":[{{"address":"127.0.0.1:8001"}},{{"address":"127.0.0.1:8002"}},{{"address":"127.0.0.1:8003"}}],"maxEndpoints":4{extra}}}"#
+        );
+        let cfg = Config::from_json(json.as_bytes()).unwrap();
+        let table = EndpointTable::from_config(&cfg);
+        let r = Router::new(cfg);
+        let s = MemStore::new();
+        r.sync_capacities(&s, &table.endpoints).unwrap();
+        (r, table, s)
+    }
+
+    fn chat(system: &str, question: &str) -> InferenceRequest {
+        let body = serde_json::json!({
+            "model": "m",
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        });
+        parse(
+            ApiKind::ChatCompletions,
+            body.to_string().as_bytes(),
+            &ParseLimits::default(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn shared_prefix_sticks_then_releases() {
+        let (mut r, t, s) = router("");
+        let sys = "You are a careful assistant. ".repeat(400);
+        let mut open = Vec::new();
+        for q in 0..6 {
+            let req = chat(&sys, &format!("question {q}"));
+            let chain = r.hash(&req);
+            let routed = r
+                .route(&s, &t.endpoints, &chain, r.prompt_tokens(&req), q)
+                .unwrap();
+            open.push(routed);
+        }
+        let first = &open[0].addresses[0];
+        assert!(open.iter().all(|o| &o.addresses[0] == first));
+        assert_eq!(open[1].decision.reason, policy::Reason::Sticky);
+        assert_eq!(open[0].addresses.len(), 3);
+        for o in open.iter_mut() {
+            r.first_byte(&s, o).unwrap();
+            r.finish(&s, o, Outcome::Done).unwrap();
+        }
+        for e in &t.endpoints {
+            assert_eq!(r.ledger.load(&s, e.slot, 100).unwrap(), Default::default());
+        }
+    }
+
+    #[test]
+    fn early_failure_rolls_back_the_index() {
+        let (mut r, t, s) = router("");
+        let req = chat(&"x".repeat(20_000), "q");
+        let chain = r.hash(&req);
+        let mut routed = r.route(&s, &t.endpoints, &chain, 5_000, 0).unwrap();
+        let slot = routed.charge.slot;
+        assert!(r.index.matched(&s, slot, &chain.hashes).unwrap().blocks > 0);
+        r.finish(&s, &mut routed, Outcome::FailedEarly).unwrap();
+        assert_eq!(r.index.matched(&s, slot, &chain.hashes).unwrap().blocks, 0);
+        assert_eq!(r.ledger.load(&s, slot, 1).unwrap(), Default::default());
+    }
+
+    #[test]
+    fn unhealthy_and_empty_fleets() {
+        let (mut r, mut t, s) = router("");
+        let chain = r.hash(&chat("a", "b"));
+        for e in t.endpoints.iter_mut() {
+            e.healthy = false;
+        }
+        assert_eq!(
+            r.route(&s, &t.endpoints, &chain, 10, 0).unwrap_err(),
+            RouteError::NoEndpoints
+        );
+        t.endpoints[2].healthy = true;
+        let routed = r.route(&s, &t.endpoints, &chain, 10, 0).unwrap();
+        assert_eq!(routed.addresses, vec!["127.0.0.1:8003".to_string()]);
+    }
+
+    #[test]
+    fn small_tau_spills() {
+        let (mut r, t, s) = router(r#","tau":1000"#);
+        let sys = "shared ".repeat(4_000);
+        let picks: std::collections::HashSet<String> = (0..10)
+            .map(|q| {
+                let req = chat(&sys, &format!("q{q}"));
+                let chain = r.hash(&req);
+                r.route(&s, &t.endpoints, &chain, r.prompt_tokens(&req), 0)
+                    .unwrap()
+                    .addresses[0]
+                    .clone()
+            })
+            .collect();
+        assert!(picks.len() >= 2, "{picks:?}");
+    }
+}

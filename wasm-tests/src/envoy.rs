@@ -1,0 +1,412 @@
+//! Envoy harness: render `envoy/gateway.yaml.tmpl`, run Envoy as a child process, wait for
+//! its admin `/ready`, kill it on drop.
+//!
+//! ```no_run
+//! use wasm_tests::envoy::{Envoy, GatewayConfig};
+//! let cfg = GatewayConfig::new(["127.0.0.1:8000", "127.0.0.1:8001"])
+//!     .with_wasm("target/wasm32-wasip1/release/tokenaware.wasm", r#"{"endpoints":[]}"#);
+//! let envoy = Envoy::start(cfg)?;          // free ports picked, bounded wait for /ready
+//! let (status, body) = envoy.admin_get("/clusters?format=json")?;
+//! println!("{}", envoy.url("/v1/completions"));
+//! # Ok::<(), anyhow::Error>(())
+//! ```
+//!
+//! The Envoy binary is `$ENVOY_BIN`, else the one `scripts/setup.sh` installs under
+//! `.venv` (see [`envoy_binary`]).
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+/// The gateway template (`envoy/gateway.yaml.tmpl`), compiled in.
+pub const TEMPLATE: &str = include_str!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../envoy/gateway.yaml.tmpl"
+));
+
+/// How long [`Envoy::start`] waits for admin `/ready`.
+pub const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The repository root (parent of `wasm-tests/`).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+/// The Envoy binary: `$ENVOY_BIN` if set, else `.venv/lib/python3*/site-packages/envoy/_bin/envoy`
+/// under the repo (installed by `scripts/setup.sh`).
+pub fn envoy_binary() -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os("ENVOY_BIN") {
+        let p = PathBuf::from(p);
+        anyhow::ensure!(p.is_file(), "ENVOY_BIN={} is not a file", p.display());
+        return Ok(p);
+    }
+    let lib = repo_root().join(".venv/lib");
+    if let Ok(dir) = std::fs::read_dir(&lib) {
+        for e in dir.flatten() {
+            let p = e.path().join("site-packages/envoy/_bin/envoy");
+            if p.is_file() {
+                return Ok(p);
+            }
+        }
+    }
+    bail!("envoy binary not found: run scripts/setup.sh or set ENVOY_BIN")
+}
+
+/// The wasm filter to insert before the router.
+#[derive(Debug, Clone)]
+pub struct WasmFilter {
+    /// Path of the `.wasm` (made absolute when rendering).
+    pub path: PathBuf,
+    /// Plugin configuration (JSON text, handed to `on_configure`).
+    pub configuration: String,
+}
+
+/// Parameters of `envoy/gateway.yaml.tmpl`.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// Listener port on 127.0.0.1; 0 = pick a free one at start.
+    pub listen_port: u16,
+    /// Admin port on 127.0.0.1; 0 = pick a free one at start.
+    pub admin_port: u16,
+    /// `ip:port` of every endpoint of the `models` cluster.
+    pub endpoints: Vec<String>,
+    /// `None` renders plain Envoy (round robin unless the client sends the header itself).
+    pub wasm: Option<WasmFilter>,
+    /// Envoy `--concurrency` (worker threads).
+    pub concurrency: u32,
+    /// Envoy `-l` log level (`info`, `debug`, ...).
+    pub log_level: String,
+    /// Extra `--component-log-level`, e.g. `wasm:debug`.
+    pub component_log_level: Option<String>,
+}
+
+impl GatewayConfig {
+    pub fn new<S: Into<String>>(endpoints: impl IntoIterator<Item = S>) -> Self {
+        Self {
+            listen_port: 0,
+            admin_port: 0,
+            endpoints: endpoints.into_iter().map(Into::into).collect(),
+            wasm: None,
+            concurrency: 2,
+            log_level: "info".into(),
+            component_log_level: None,
+        }
+    }
+
+    pub fn with_wasm(mut self, path: impl Into<PathBuf>, configuration: impl Into<String>) -> Self {
+        self.wasm = Some(WasmFilter {
+            path: path.into(),
+            configuration: configuration.into(),
+        });
+        self
+    }
+
+    /// Renders the YAML. Ports must be set (non-zero); `Envoy::start` does that.
+    pub fn render(&self) -> anyhow::Result<String> {
+        anyhow::ensure!(
+            self.listen_port != 0 && self.admin_port != 0,
+            "ports not set"
+        );
+        anyhow::ensure!(!self.endpoints.is_empty(), "no endpoints");
+        let mut eps = Vec::new();
+        for ep in &self.endpoints {
+            let (ip, port) = ep
+                .rsplit_once(':')
+                .with_context(|| format!("endpoint {ep:?} is not ip:port"))?;
+            let port: u16 = port.parse().with_context(|| format!("port in {ep:?}"))?;
+            eps.push(format!(
+                "        - endpoint: {{ address: {{ socket_address: {{ address: {ip}, port_value: {port} }} }} }}"
+            ));
+        }
+        let mut out = String::new();
+        let mut skipping = false;
+        for line in TEMPLATE.lines() {
+            let t = line.trim();
+            if t == "#@wasm-begin" {
+                skipping = self.wasm.is_none();
+                continue;
+            }
+            if t == "#@wasm-end" {
+                skipping = false;
+                continue;
+            }
+            if !skipping {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+        let (wasm_file, plugin_config) = match &self.wasm {
+            Some(w) => {
+                let p = std::path::absolute(&w.path)?;
+                anyhow::ensure!(p.is_file(), "wasm file {} not found", p.display());
+                (p.display().to_string(), w.configuration.replace('\'', "''"))
+            }
+            None => (String::new(), String::new()),
+        };
+        Ok(out
+            .replace("${LISTEN_PORT}", &self.listen_port.to_string())
+            .replace("${ADMIN_PORT}", &self.admin_port.to_string())
+            .replace("${ENDPOINTS}", &eps.join("\n"))
+            .replace("${WASM_FILE}", &wasm_file)
+            .replace("${PLUGIN_CONFIG}", &plugin_config))
+    }
+}
+
+static SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// A running Envoy (child process), killed on drop. Its config, stdout (access log) and
+/// stderr (Envoy log) live in [`Envoy::dir`]; the directory is removed on drop unless the
+/// thread is panicking (a failed test keeps its logs; the path is printed) or
+/// `TOKENAWARE_KEEP_ENVOY_DIR` is set.
+pub struct Envoy {
+    child: Child,
+    config: GatewayConfig,
+    dir: PathBuf,
+}
+
+impl Envoy {
+    /// Renders the config (picking free ports for zeros), starts Envoy and waits (bounded by
+    /// [`READY_TIMEOUT`]) until admin `/ready` answers 200.
+    pub fn start(mut config: GatewayConfig) -> anyhow::Result<Envoy> {
+        if config.listen_port == 0 || config.admin_port == 0 {
+            let ports = crate::ports::free_ports(2)?;
+            if config.listen_port == 0 {
+                config.listen_port = ports[0];
+            }
+            if config.admin_port == 0 {
+                config.admin_port = ports[1];
+            }
+        }
+        let yaml = config.render()?;
+        let bin = envoy_binary()?;
+        let dir = std::env::temp_dir().join(format!(
+            "tokenaware-envoy-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir)?;
+        let cfg_path = dir.join("envoy.yaml");
+        std::fs::write(&cfg_path, yaml)?;
+        let stdout = std::fs::File::create(dir.join("access.log"))?;
+        let stderr = std::fs::File::create(dir.join("envoy.log"))?;
+        let mut cmd = Command::new(&bin);
+        cmd.arg("-c")
+            .arg(&cfg_path)
+            .args(["--concurrency", &config.concurrency.to_string()])
+            .args(["-l", &config.log_level])
+            .arg("--disable-hot-restart")
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr);
+        if let Some(c) = &config.component_log_level {
+            cmd.args(["--component-log-level", c]);
+        }
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("spawn {}", bin.display()))?;
+        let mut envoy = Envoy { child, config, dir };
+        envoy.wait_ready(READY_TIMEOUT)?;
+        Ok(envoy)
+    }
+
+    /// Runs `envoy --mode validate` on the rendered config (ports default to 10000/9901).
+    pub fn validate(mut config: GatewayConfig) -> anyhow::Result<()> {
+        if config.listen_port == 0 {
+            config.listen_port = 10000;
+        }
+        if config.admin_port == 0 {
+            config.admin_port = 9901;
+        }
+        let dir = std::env::temp_dir().join(format!(
+            "tokenaware-envoy-validate-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir)?;
+        let path = dir.join("envoy.yaml");
+        std::fs::write(&path, config.render()?)?;
+        let out = Command::new(envoy_binary()?)
+            .args(["--mode", "validate", "--disable-hot-restart", "-c"])
+            .arg(&path)
+            .output()?;
+        let _ = std::fs::remove_dir_all(&dir);
+        anyhow::ensure!(
+            out.status.success(),
+            "envoy validate failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    }
+
+    fn wait_ready(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait()? {
+                bail!(
+                    "envoy exited early ({status}); log tail:\n{}",
+                    tail(&self.log(), 30)
+                );
+            }
+            if matches!(self.admin_get("/ready"), Ok((200, _))) {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        bail!(
+            "envoy not ready after {timeout:?}; log tail:\n{}",
+            tail(&self.log(), 30)
+        )
+    }
+
+    pub fn listen_port(&self) -> u16 {
+        self.config.listen_port
+    }
+
+    pub fn admin_port(&self) -> u16 {
+        self.config.admin_port
+    }
+
+    pub fn config(&self) -> &GatewayConfig {
+        &self.config
+    }
+
+    /// `http://127.0.0.1:LISTEN{path}`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.config.listen_port)
+    }
+
+    /// `http://127.0.0.1:ADMIN{path}`.
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.config.admin_port)
+    }
+
+    /// GET on the admin port: (status, body).
+    pub fn admin_get(&self, path: &str) -> anyhow::Result<(u16, String)> {
+        http_get(self.config.admin_port, path)
+    }
+
+    /// Value of an admin counter/gauge (`/stats?filter=^NAME$`), if present.
+    pub fn stat(&self, name: &str) -> anyhow::Result<Option<i64>> {
+        let (_, body) = self.admin_get(&format!("/stats?filter=^{name}$"))?;
+        Ok(body.lines().find_map(|l| {
+            let (k, v) = l.split_once(": ")?;
+            (k == name).then(|| v.trim().parse().ok()).flatten()
+        }))
+    }
+
+    /// Directory with `envoy.yaml`, `envoy.log`, `access.log`.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Envoy's own log (stderr) so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default()
+    }
+
+    /// The access log (one line per request, with `upstream=` and `dest=`) so far.
+    pub fn access_log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("access.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() || std::env::var_os("TOKENAWARE_KEEP_ENVOY_DIR").is_some() {
+            eprintln!("envoy logs kept in {}", self.dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Minimal blocking HTTP/1.1 GET to 127.0.0.1:`port` (2 s timeouts; handles chunked bodies).
+pub fn http_get(port: u16, path: &str) -> anyhow::Result<(u16, String)> {
+    let addr = (Ipv4Addr::LOCALHOST, port).into();
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    s.set_write_timeout(Some(Duration::from_secs(2)))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text.split_once("\r\n\r\n").context("no header end")?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .context("bad status line")?;
+    let chunked = head.lines().any(|l| {
+        l.to_ascii_lowercase()
+            .starts_with("transfer-encoding: chunked")
+    });
+    let body = if chunked {
+        dechunk(body)?
+    } else {
+        body.to_string()
+    };
+    Ok((status, body))
+}
+
+fn dechunk(mut s: &str) -> anyhow::Result<String> {
+    let mut out = String::new();
+    loop {
+        let (size, rest) = s.split_once("\r\n").context("bad chunk")?;
+        let n = usize::from_str_radix(size.split(';').next().unwrap_or("").trim(), 16)?;
+        if n == 0 {
+            return Ok(out);
+        }
+        anyhow::ensure!(rest.len() >= n, "short chunk");
+        out.push_str(rest.get(..n).context("chunk boundary")?);
+        s = rest.get(n..).unwrap_or("").trim_start_matches("\r\n");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_plain_and_wasm_variants() {
+        let mut c = GatewayConfig::new(["127.0.0.1:8000", "127.0.0.1:8001"]);
+        c.listen_port = 10000;
+        c.admin_port = 9901;
+        let plain = c.render().unwrap();
+        assert!(!plain.contains("envoy.filters.http.wasm"));
+        assert!(plain
+            .lines()
+            .filter(|l| !l.trim_start().starts_with('#'))
+            .all(|l| !l.contains("${")));
+        assert!(plain.contains("port_value: 8001"));
+        let wasm = std::env::current_exe().unwrap(); // any existing file will do for rendering
+        let w = c.with_wasm(&wasm, r#"{"a":"it's"}"#).render().unwrap();
+        assert!(w.contains("envoy.filters.http.wasm"));
+        assert!(w.contains(r#"value: '{"a":"it''s"}'"#));
+        assert!(w.contains("allow_on_headers_stop_iteration: true"));
+    }
+
+    #[test]
+    fn dechunks() {
+        assert_eq!(
+            dechunk("4\r\nLIVE\r\n1\r\n\n\r\n0\r\n\r\n").unwrap(),
+            "LIVE\n"
+        );
+    }
+}

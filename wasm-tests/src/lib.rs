@@ -1,0 +1,18 @@
+//! Test support for tokenaware: a simulated vLLM fleet ([`fleet`]), an Envoy harness
+//! ([`envoy`]) and free loopback ports ([`ports`]).
+//!
+//! Typical end-to-end test:
+//!
+//! ```no_run
+//! use wasm_tests::{envoy::{Envoy, GatewayConfig}, fleet::{Fleet, FleetConfig, Timing}};
+//! let timing = Timing { time_factor: 0.01, ..Default::default() };
+//! let fleet = Fleet::start_on_free_ports(FleetConfig { endpoints: 3, timing, ..Default::default() })?;
+//! let gw = GatewayConfig::new(fleet.endpoints()).with_wasm("target/wasm32-wasip1/release/tokenaware.wasm", "{}");
+//! let envoy = Envoy::start(gw)?;           // waits for admin /ready, killed on drop
+//! let url = envoy.url("/v1/completions");  // http://127.0.0.1:LISTEN/v1/completions
+//! # Ok::<(), anyhow::Error>(())
+//! ```
+
+pub mod envoy;
+pub mod fleet;
+pub mod ports;
