@@ -15,4 +15,5 @@
 
 pub mod envoy;
 pub mod fleet;
+pub mod host;
 pub mod ports;
