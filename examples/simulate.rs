@@ -52,10 +52,12 @@ struct Args {
     prefix_tokens: u64,
     #[arg(long, default_value_t = 1_500)]
     question_tokens: u64,
-    /// KV capacity per endpoint, in whole prefixes.
+    /// KV capacity per endpoint as the seed sizes it: K × 16 GiB at 256 KiB per token
+    /// (K × 65,536 tokens; 4 ⇒ 64 GiB ⇒ four whole 55k-token prefixes).
     #[arg(long, default_value_t = 4)]
     kv_prefixes: u64,
-    /// KV capacity per endpoint in tokens (overrides --kv-prefixes).
+    /// KV capacity per endpoint in tokens (overrides --kv-prefixes). An endpoint holds
+    /// ⌊kv / prefix⌋ whole prefixes.
     #[arg(long)]
     kv_tokens: Option<u64>,
     /// KV capacity per endpoint the router is told, tokens (default: the fleet's).
@@ -69,6 +71,9 @@ struct Args {
     duration: f64,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Runs seeds seed..seed+N and reports the mean of each figure (less noise at the knees).
+    #[arg(long, default_value_t = 1)]
+    seeds: u64,
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
@@ -79,6 +84,7 @@ struct Run {
     policy: PolicyName,
     rate: f64,
     tau: u64,
+    seed: u64,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -129,9 +135,9 @@ fn zipf_cdf(n: usize, s: f64) -> Vec<f64> {
         .collect()
 }
 
-fn workload(a: &Args, cfg: &Config, rate: f64) -> Workload {
+fn workload(a: &Args, cfg: &Config, rate: f64, seed: u64) -> Workload {
     // Arrivals depend only on the seed and the rate: every policy sees the same sequence.
-    let mut rng = SmallRng::seed_from_u64(a.seed ^ rate.to_bits());
+    let mut rng = SmallRng::seed_from_u64(seed ^ rate.to_bits());
     let cdf = zipf_cdf(a.groups, a.zipf);
     let mut t = 0.0;
     let mut arrivals = Vec::new();
@@ -162,11 +168,12 @@ fn workload(a: &Args, cfg: &Config, rate: f64) -> Workload {
     }
 }
 
+fn kv_tokens(a: &Args) -> u64 {
+    a.kv_tokens.unwrap_or(a.kv_prefixes * 65_536)
+}
+
 fn config(a: &Args, r: Run) -> Config {
-    let kv = a
-        .index_kv_tokens
-        .or(a.kv_tokens)
-        .unwrap_or(a.kv_prefixes * a.prefix_tokens);
+    let kv = a.index_kv_tokens.unwrap_or(kv_tokens(a));
     Config {
         policy: r.policy,
         gate: if a.gate == "relative" {
@@ -190,7 +197,7 @@ fn config(a: &Args, r: Run) -> Config {
 
 fn simulate(a: &Args, r: Run) -> Outcomes {
     let cfg = config(a, r);
-    let w = workload(a, &cfg, r.rate);
+    let w = workload(a, &cfg, r.rate, r.seed);
     let table = EndpointTable::from_config(&cfg);
     let store = MemStore::new();
     let mut router = Router::new(cfg);
@@ -208,7 +215,7 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
         events.push(Reverse((Time(t), Event::Arrival(i))));
     }
     let mut out = Outcomes::default();
-    let mut qrng = SmallRng::seed_from_u64(a.seed.wrapping_mul(31));
+    let mut qrng = SmallRng::seed_from_u64(r.seed.wrapping_mul(31));
     let mut question = vec![0u8; w.question_bytes];
     let tokens = a.prefix_tokens + a.question_tokens;
     while let Some(Reverse((Time(now), ev))) = events.pop() {
@@ -228,15 +235,6 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
                     .iter()
                     .position(|x| x.address == routed.addresses[0])
                     .unwrap_or(0);
-                if std::env::var("SIMDEBUG").is_ok() && routed.decision.reason == Reason::Cold {
-                    let holders: Vec<usize> = (0..servers.len())
-                        .filter(|&k| servers[k].cache.contains(&reqs[i].group))
-                        .collect();
-                    eprintln!(
-                        "t={now:.1} cold group={} -> {e} truth holders={holders:?} hit={:.2}",
-                        reqs[i].group, routed.decision.hit
-                    );
-                }
                 if let Some(k) = Reason::ALL
                     .iter()
                     .position(|x| *x == routed.decision.reason)
@@ -285,11 +283,7 @@ fn start_next(
         false
     };
     s.cache.push_front(g);
-    let kv = a
-        .kv_tokens
-        .map(|t| t / a.prefix_tokens)
-        .unwrap_or(a.kv_prefixes)
-        .max(1) as usize;
+    let kv = (kv_tokens(a) / a.prefix_tokens.max(1)).max(1) as usize;
     s.cache.truncate(kv);
     out.hits += u64::from(hit);
     let work = a.question_tokens + if hit { 0 } else { a.prefix_tokens };
@@ -362,7 +356,14 @@ fn main() {
     for &policy in &policies {
         for &tau in &taus {
             for &rate in &a.rate {
-                runs.push(Run { policy, rate, tau });
+                for seed in a.seed..a.seed + a.seeds.max(1) {
+                    runs.push(Run {
+                        policy,
+                        rate,
+                        tau,
+                        seed,
+                    });
+                }
             }
         }
     }
@@ -387,54 +388,101 @@ fn main() {
     });
     if !a.json {
         println!(
-            "{:<24} {:>6} {:>9} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8}  reasons",
+            "{:<32} {:>6} {:>9} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8}  reasons",
             "policy", "rate", "tau", "hit", "p50_s", "p90_s", "p99_s", "done", "rps"
         );
     }
-    for (run, o) in runs.iter().zip(results.into_inner().unwrap_or_default()) {
-        let Some(mut o) = o else { continue };
-        report(&a, run, &mut o);
+    let results: Vec<Summary> = results
+        .into_inner()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|o| o.map(summarize).unwrap_or_default())
+        .collect();
+    for (runs, sums) in runs
+        .chunks(a.seeds.max(1) as usize)
+        .zip(results.chunks(a.seeds.max(1) as usize))
+    {
+        report(&a, &runs[0], &mean(sums));
     }
 }
 
-fn report(a: &Args, run: &Run, o: &mut Outcomes) {
+#[derive(Debug, Clone, Copy, Default)]
+struct Summary {
+    hit: f64,
+    p50: f64,
+    p90: f64,
+    p99: f64,
+    completed: f64,
+    rps: f64,
+    reasons: [f64; Reason::ALL.len()],
+}
+
+fn summarize(mut o: Outcomes) -> Summary {
     o.ttft.sort_by(f64::total_cmp);
     let n = o.ttft.len();
-    let hit = o.hits as f64 / n.max(1) as f64;
-    let (p50, p90, p99) = (
-        quantile(&o.ttft, 0.5),
-        quantile(&o.ttft, 0.9),
-        quantile(&o.ttft, 0.99),
-    );
-    let rps = n as f64 / o.last_done.max(a.duration);
+    let mut reasons = [0.0; Reason::ALL.len()];
+    for (r, c) in reasons.iter_mut().zip(o.reasons) {
+        *r = c as f64;
+    }
+    Summary {
+        hit: o.hits as f64 / n.max(1) as f64,
+        p50: quantile(&o.ttft, 0.5),
+        p90: quantile(&o.ttft, 0.9),
+        p99: quantile(&o.ttft, 0.99),
+        completed: n as f64,
+        rps: n as f64 / o.last_done.max(f64::MIN_POSITIVE),
+        reasons,
+    }
+}
+
+fn mean(s: &[Summary]) -> Summary {
+    let k = s.len().max(1) as f64;
+    let avg = |f: fn(&Summary) -> f64| s.iter().map(f).sum::<f64>() / k;
+    let mut reasons = [0.0; Reason::ALL.len()];
+    for (i, r) in reasons.iter_mut().enumerate() {
+        *r = s.iter().map(|x| x.reasons[i]).sum::<f64>() / k;
+    }
+    Summary {
+        hit: avg(|x| x.hit),
+        p50: avg(|x| x.p50),
+        p90: avg(|x| x.p90),
+        p99: avg(|x| x.p99),
+        completed: avg(|x| x.completed),
+        rps: avg(|x| x.rps),
+        reasons,
+    }
+}
+
+fn report(a: &Args, run: &Run, o: &Summary) {
     let name = run.policy.as_str();
     let gate = match run.policy {
         PolicyName::StickyUntilSaturated | PolicyName::Tokenaware => a.gate.as_str(),
         _ => "-",
     };
+    let (hit, p50, p90, p99, n, rps) = (o.hit, o.p50, o.p90, o.p99, o.completed, o.rps);
+    if a.json {
+        println!(
+            "{{\"policy\":\"{name}\",\"gate\":\"{gate}\",\"rate\":{},\"tau\":{},\"seeds\":{},\"hit_rate\":{hit:.4},\"ttft_p50_s\":{p50:.3},\"ttft_p90_s\":{p90:.3},\"ttft_p99_s\":{p99:.3},\"completed\":{n:.0},\"throughput_rps\":{rps:.3}}}",
+            run.rate, run.tau, a.seeds.max(1)
+        );
+        return;
+    }
     let reasons: Vec<String> = Reason::ALL
         .iter()
         .zip(o.reasons)
-        .filter(|(_, c)| *c > 0)
-        .map(|(r, c)| format!("{}={c}", r.as_str()))
+        .filter(|(_, c)| *c > 0.0)
+        .map(|(r, c)| format!("{}={c:.0}", r.as_str()))
         .collect();
-    if a.json {
-        println!(
-            "{{\"policy\":\"{name}\",\"gate\":\"{gate}\",\"rate\":{},\"tau\":{},\"hit_rate\":{hit:.4},\"ttft_p50_s\":{p50:.3},\"ttft_p90_s\":{p90:.3},\"ttft_p99_s\":{p99:.3},\"completed\":{n},\"throughput_rps\":{rps:.3}}}",
-            run.rate, run.tau
-        );
+    let label = if gate == "-" {
+        name.to_string()
     } else {
-        let label = if gate == "-" {
-            name.to_string()
-        } else {
-            format!("{name}/{gate}")
-        };
-        println!(
-            "{label:<24} {:>6} {:>9} {:>6.1}% {p50:>9.3} {p90:>9.3} {p99:>9.3} {n:>9} {rps:>8.2}  {}",
-            run.rate,
-            run.tau,
-            hit * 100.0,
-            reasons.join(" ")
-        );
-    }
+        format!("{name}/{gate}")
+    };
+    println!(
+        "{label:<32} {:>6} {:>9} {:>6.1}% {p50:>9.3} {p90:>9.3} {p99:>9.3} {n:>9.0} {rps:>8.2}  {}",
+        run.rate,
+        run.tau,
+        hit * 100.0,
+        reasons.join(" ")
+    );
 }

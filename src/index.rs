@@ -5,17 +5,19 @@
 //! Algorithm. The chain of block hashes is cut into segments of `SEGMENT` blocks. One entry
 //! per (endpoint, segment) is keyed by the chain hash of the segment's first block, which
 //! stands for the whole prefix before it, and holds 32-bit fingerprints of the segment's other
-//! blocks. Each endpoint has a clock counting the blocks ever stamped on it; an entry stamped
-//! at `s` is held while `clock − s < capacity`. So at most `capacity` blocks are held per
-//! endpoint, and the oldest stamps go first (LRU). Within one insert the head of the prompt
-//! gets the newest stamp, so a prompt is forgotten from its tail, never from its head.
+//! blocks. Entries are stamped with their endpoint's current epoch. Each endpoint keeps a
+//! histogram of the blocks it holds per epoch (a touch moves a block's count to the current
+//! epoch), and the epoch advances when the current one has taken 1/`EPOCH_SHARE` of the
+//! capacity. The live epochs are the newest ones whose counts sum to at most the capacity:
+//! an exact LRU over distinct blocks, at epoch granularity, with no per-block ordering.
 //!
 //! Complexity. Matching one endpoint reads its header and O(log segments) buckets (binary
-//! search: held segments form a prefix of the chain); inserting reads and writes each
-//! segment's bucket once. Every read or write is one fixed-size value in the store.
+//! search: held segments form a prefix of the chain, since a prompt's segments share an
+//! epoch and die together); inserting reads and writes each touched segment's bucket once.
+//! Every read or write is one fixed-size value in the store.
 //!
-//! Refresh. Re-stamping a block that is still fresh (younger than half the capacity) is
-//! skipped, so a hot prefix does not age every other prefix on its endpoint.
+//! Refresh. A segment already stamped in the current or previous epoch is not rewritten, so a
+//! hot prefix costs reads, not writes.
 
 use std::cmp::Reverse;
 
@@ -26,7 +28,15 @@ pub const SEGMENT: usize = 16;
 /// Entries per bucket (one store value).
 pub const WAYS: usize = 8;
 const ENTRY: usize = 8 + 8 + 4 + 2 + 1 + 1 + 4 * (SEGMENT - 1);
-const HEADER: usize = 16;
+/// Epochs in the per-endpoint histogram ring.
+const EPOCHS: usize = 64;
+/// The epoch advances after taking this share of the capacity: 1/32.
+const EPOCH_SHARE: u64 = 32;
+/// Heads (first-block hashes) of the prefixes most recently stamped per endpoint.
+const HEADS: usize = 16;
+const COUNTS_AT: usize = 16;
+const HEADS_AT: usize = COUNTS_AT + 4 * EPOCHS;
+const HEADER: usize = HEADS_AT + 16 * HEADS;
 
 /// Where an entry lives, so an insert can be rolled back.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,13 +55,14 @@ pub struct InsertReceipt {
     pub written: Vec<Written>,
 }
 
-/// An endpoint's view: matched blocks, and its clock (blocks stamped so far, a measure of how
-/// much cache churn it has absorbed).
+/// An endpoint's view: matched blocks, its current epoch, capacity and distinct prefixes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Match {
     pub blocks: usize,
     pub clock: u64,
     pub capacity: u64,
+    /// Distinct prefixes (by first block) the endpoint is believed to hold.
+    pub heads: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -62,8 +73,12 @@ pub struct AffinityIndex {
 
 #[derive(Debug, Clone, Copy, Default)]
 struct Header {
+    /// Current epoch.
     clock: u64,
     capacity: u64,
+    /// Oldest live epoch.
+    oldest: u64,
+    heads: u32,
 }
 
 impl AffinityIndex {
@@ -94,10 +109,7 @@ impl AffinityIndex {
     fn header<S: SharedStore + ?Sized>(&self, s: &S, slot: u16) -> Result<Header, StoreError> {
         let (v, _) = s.get(&self.header_key(slot))?;
         let v = v.unwrap_or_default();
-        Ok(Header {
-            clock: read_u64(&v, 0),
-            capacity: read_u64(&v, 8),
-        })
+        Ok(parse_header(&v))
     }
 
     /// Sets an endpoint's capacity in blocks (from config, or from its scraped cache size).
@@ -111,8 +123,7 @@ impl AffinityIndex {
             if read_u64(old, 8) == blocks && old.len() >= HEADER {
                 return None;
             }
-            let mut b = vec![0u8; HEADER];
-            write_u64(&mut b, 0, read_u64(old, 0));
+            let mut b = header_buf(old);
             write_u64(&mut b, 8, blocks);
             Some((b, ()))
         })
@@ -128,15 +139,12 @@ impl AffinityIndex {
     ) -> Result<(), StoreError> {
         update(s, &self.header_key(slot), |old| {
             let mut b = vec![0u8; HEADER];
-            let cap = read_u64(old, 8);
             write_u64(
                 &mut b,
                 0,
-                read_u64(old, 0)
-                    .saturating_add(cap)
-                    .saturating_add(SEGMENT as u64 + 1),
+                read_u64(old, 0).saturating_add(EPOCHS as u64 + 2),
             );
-            write_u64(&mut b, 8, cap);
+            write_u64(&mut b, 8, read_u64(old, 8));
             Some((b, ()))
         })
         .map(|_| ())
@@ -154,6 +162,7 @@ impl AffinityIndex {
             blocks: 0,
             clock: h.clock,
             capacity: h.capacity,
+            heads: h.heads,
         };
         if chain.is_empty() || h.capacity == 0 {
             return Ok(m);
@@ -193,7 +202,7 @@ impl AffinityIndex {
         let v = v.unwrap_or_default();
         Ok(find(&v, tag).and_then(|at| {
             let e = entry(&v, at);
-            fresh_age(e, h).map(|_| matching_blocks(e, seg))
+            live(e, h).then(|| matching_blocks(e, seg))
         }))
     }
 
@@ -213,63 +222,82 @@ impl AffinityIndex {
         if chain.is_empty() || h.capacity == 0 {
             return Ok(receipt);
         }
-        let segments = chain.len().div_ceil(SEGMENT);
-        // First pass: which segments need a (re)stamp.
-        let mut touch = Vec::with_capacity(segments);
-        for j in 0..segments {
+        // First pass: which segments need a (re)stamp, and where their blocks were counted.
+        let mut touch: Vec<(usize, Option<(u64, u64)>)> = Vec::new();
+        for j in 0..chain.len().div_ceil(SEGMENT) {
             let seg = segment(chain, j);
             let t = tag(seg.first().copied().unwrap_or(0), slot);
             let (v, _) = s.get(&self.bucket_key(t % self.buckets))?;
             let v = v.unwrap_or_default();
-            let fresh = find(&v, t).is_some_and(|at| {
-                let e = entry(&v, at);
-                fresh_age(e, h).is_some_and(|age| age < h.capacity / 2)
-                    && matching_blocks(e, seg) == seg.len()
-            });
-            if !fresh {
-                touch.push(j);
+            let held = find(&v, t).map(|at| entry(&v, at)).filter(|e| live(e, h));
+            match held {
+                Some(e) if stamp_of(e) + 1 >= h.clock && matching_blocks(e, seg) == seg.len() => {}
+                Some(e) => touch.push((j, Some((stamp_of(e), len_of(e))))),
+                None => touch.push((j, None)),
             }
         }
-        let stamped: u64 = touch.iter().map(|&j| segment(chain, j).len() as u64).sum();
-        if stamped == 0 {
+        if touch.is_empty() {
             return Ok(receipt);
         }
-        let base = self.advance_clock(s, slot, stamped)?;
+        let moves: Vec<(u64, Option<(u64, u64)>)> = touch
+            .iter()
+            .map(|&(j, old)| (segment(chain, j).len() as u64, old))
+            .collect();
+        let head = (touch.first().map(|t| t.0) == Some(0))
+            .then(|| chain.first().copied())
+            .flatten();
+        let stamp = self.count_touches(s, slot, &moves, head)?;
         let mut headers = vec![(
             slot,
             Header {
-                clock: base + stamped,
+                clock: stamp.max(h.clock),
                 ..h
             },
         )];
-        // Head segments get the newest stamps: the tail is forgotten first.
-        let mut stamp = base + stamped;
-        for &j in &touch {
+        for &(j, _) in &touch {
             let seg = segment(chain, j);
             let t = tag(seg.first().copied().unwrap_or(0), slot);
             self.load_headers(s, t % self.buckets, &mut headers)?;
             if let Some(w) = self.write_entry(s, t, stamp, slot, seg, now_s, &headers)? {
                 receipt.written.push(w);
             }
-            stamp -= seg.len() as u64;
         }
         Ok(receipt)
     }
 
-    fn advance_clock<S: SharedStore + ?Sized>(
+    /// Moves the touched blocks' counts to the current epoch (advancing it when full) and
+    /// returns the epoch to stamp them with. `head` is the prompt's first block when its
+    /// first segment is touched.
+    fn count_touches<S: SharedStore + ?Sized>(
         &self,
         s: &S,
         slot: u16,
-        n: u64,
+        moves: &[(u64, Option<(u64, u64)>)],
+        head: Option<u64>,
     ) -> Result<u64, StoreError> {
-        let base = update(s, &self.header_key(slot), |old| {
-            let mut b = vec![0u8; HEADER];
-            let clock = read_u64(old, 0);
-            write_u64(&mut b, 0, clock.saturating_add(n));
-            write_u64(&mut b, 8, read_u64(old, 8));
-            Some((b, clock))
+        let stamp = update(s, &self.header_key(slot), |old| {
+            let mut b = header_buf(old);
+            let epoch = read_u64(&b, 0);
+            for &(len, from) in moves {
+                if let Some((e, n)) = from {
+                    if epoch.saturating_sub(e) < EPOCHS as u64 {
+                        add_count(&mut b, e, -(n as i64));
+                    }
+                }
+                add_count(&mut b, epoch, len as i64);
+            }
+            if let Some(h) = head {
+                note_head(&mut b, h, epoch);
+            }
+            let cap = read_u64(&b, 8);
+            if u64::from(count(&b, epoch)) >= (cap / EPOCH_SHARE).max(1) {
+                // Next epoch: its ring slot held an epoch long dead.
+                write_u64(&mut b, 0, epoch + 1);
+                set_count(&mut b, epoch + 1, 0);
+            }
+            Some((b, epoch))
         })?;
-        Ok(base.unwrap_or(0))
+        Ok(stamp.unwrap_or(0))
     }
 
     /// Headers of the endpoints whose entries share a bucket, so eviction can prefer expired
@@ -359,13 +387,75 @@ impl AffinityIndex {
             let v = v.unwrap_or_default();
             for w in 0..WAYS {
                 let e = entry(&v, w * ENTRY);
-                if read_u64(e, 0) != 0 && entry_slot(e) == slot && fresh_age(e, h).is_some() {
+                if entry_slot(e) == slot && live(e, h) {
                     n += u64::from(e.get(23).copied().unwrap_or(0));
                 }
             }
         }
         Ok(n)
     }
+}
+
+/// A header value of the full size, whatever was stored.
+fn header_buf(old: &[u8]) -> Vec<u8> {
+    let mut b = vec![0u8; HEADER];
+    let n = old.len().min(b.len());
+    b[..n].copy_from_slice(&old[..n]);
+    b
+}
+
+fn count(b: &[u8], epoch: u64) -> u32 {
+    read_u32(b, COUNTS_AT + 4 * (epoch as usize % EPOCHS))
+}
+
+fn set_count(b: &mut [u8], epoch: u64, n: u32) {
+    write_u32(b, COUNTS_AT + 4 * (epoch as usize % EPOCHS), n);
+}
+
+fn add_count(b: &mut [u8], epoch: u64, delta: i64) {
+    let n = (i64::from(count(b, epoch)) + delta).clamp(0, i64::from(u32::MAX));
+    set_count(b, epoch, n as u32);
+}
+
+fn parse_header(b: &[u8]) -> Header {
+    let clock = read_u64(b, 0);
+    let capacity = read_u64(b, 8);
+    // Newest epochs first, while their blocks fit in the capacity.
+    let mut oldest = clock;
+    let mut held = 0u64;
+    for k in 0..EPOCHS as u64 {
+        let Some(e) = clock.checked_sub(k) else { break };
+        held += u64::from(count(b, e));
+        if held > capacity && k > 0 {
+            break;
+        }
+        oldest = e;
+    }
+    let mut h = Header {
+        clock,
+        capacity,
+        oldest,
+        heads: 0,
+    };
+    h.heads = (0..HEADS)
+        .filter(|&i| {
+            let at = HEADS_AT + 16 * i;
+            let stamp = read_u64(b, at + 8);
+            read_u64(b, at) != 0 && stamp >= h.oldest && stamp <= h.clock
+        })
+        .count() as u32;
+    h
+}
+
+/// Records that prefix `head` was stamped in `epoch`: its own record, else the oldest.
+fn note_head(b: &mut [u8], head: u64, epoch: u64) {
+    let at = |i: usize| HEADS_AT + 16 * i;
+    let i = (0..HEADS)
+        .find(|&i| read_u64(b, at(i)) == head)
+        .or_else(|| (0..HEADS).min_by_key(|&i| read_u64(b, at(i) + 8)))
+        .unwrap_or(0);
+    write_u64(b, at(i), head);
+    write_u64(b, at(i) + 8, epoch);
 }
 
 /// A bucket value of the full size, whatever was stored (a foreign or short value reads as
@@ -415,14 +505,12 @@ fn victim(b: &[u8], headers: &[(u16, Header)]) -> usize {
         }
         let touched = read_u32(e, 16);
         match headers.iter().find(|(x, _)| *x == entry_slot(e)) {
-            Some((_, h)) => match fresh_age(e, *h) {
-                None => (1, Reverse(0), touched),
-                Some(age) => (
-                    2,
-                    Reverse(age.saturating_mul(1 << 16) / h.capacity.max(1)),
-                    touched,
-                ),
-            },
+            Some((_, h)) if !live(e, *h) => (1, Reverse(0), touched),
+            Some((_, h)) => {
+                let span = h.clock.saturating_sub(h.oldest) + 1;
+                let age = h.clock.saturating_sub(stamp_of(e));
+                (2, Reverse(age.saturating_mul(1 << 16) / span), touched)
+            }
             None => (3, Reverse(0), touched),
         }
     };
@@ -432,11 +520,18 @@ fn victim(b: &[u8], headers: &[(u16, Header)]) -> usize {
         .unwrap_or(0)
 }
 
-/// Age in stamped blocks, if the entry is still within its endpoint's capacity.
-fn fresh_age(e: &[u8], h: Header) -> Option<u64> {
-    let stamp = read_u64(e, 8);
-    let age = h.clock.checked_sub(stamp)?;
-    (age < h.capacity).then_some(age)
+fn stamp_of(e: &[u8]) -> u64 {
+    read_u64(e, 8)
+}
+
+fn len_of(e: &[u8]) -> u64 {
+    u64::from(e.get(23).copied().unwrap_or(0))
+}
+
+/// The entry is set and stamped in one of its endpoint's live epochs.
+fn live(e: &[u8], h: Header) -> bool {
+    let stamp = stamp_of(e);
+    read_u64(e, 0) != 0 && stamp >= h.oldest && stamp <= h.clock && h.capacity > 0
 }
 
 /// Leading blocks of `seg` the entry holds: the head matched by the tag, then fingerprints.
@@ -519,13 +614,33 @@ mod tests {
     }
 
     #[test]
-    fn partial_eviction_keeps_the_head() {
+    fn eviction_leaves_no_holes() {
         let (ix, s) = index(240, 1);
         let a = chain(1, 160);
         ix.insert(&s, 0, &a, 0).unwrap();
         ix.insert(&s, 0, &chain(2, 160), 1).unwrap();
         let m = ix.matched(&s, 0, &a).unwrap().blocks;
-        assert!(m > 0 && m < 160, "head of a kept, tail gone: {m}");
+        assert!(
+            m == 0 || m == 160,
+            "a prompt is held whole or not at all: {m}"
+        );
+    }
+
+    #[test]
+    fn hot_prefix_does_not_age_others() {
+        // Capacity for three prompts; touching one over and over keeps the other two.
+        let (ix, s) = index(480, 1);
+        let (a, b, c) = (chain(1, 160), chain(2, 160), chain(3, 160));
+        for p in [&a, &b, &c] {
+            ix.insert(&s, 0, p, 0).unwrap();
+        }
+        for i in 0..50 {
+            ix.insert(&s, 0, &a, i).unwrap();
+        }
+        for p in [&a, &b, &c] {
+            assert_eq!(ix.matched(&s, 0, p).unwrap().blocks, 160);
+        }
+        assert_eq!(ix.matched(&s, 0, &a).unwrap().heads, 3);
     }
 
     #[test]

@@ -12,6 +12,11 @@ use crate::store::{read_u32, read_u64, update, write_u32, write_u64, SharedStore
 
 const RING: usize = 8;
 const SLOT_BYTES: usize = 24;
+/// After the ring: the recent work window (start ms, tokens this window, tokens last window).
+const WORK_AT: usize = RING * SLOT_BYTES;
+const VALUE: usize = WORK_AT + 24;
+/// Length of one work-rate window.
+const WORK_WINDOW_MS: u64 = 10_000;
 
 /// One endpoint's load as this gateway knows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -71,7 +76,7 @@ impl LoadLedger {
         now_ms: u64,
     ) -> Result<Charge, StoreError> {
         let epoch = self.epoch(now_ms);
-        self.apply(s, slot, epoch, true, |b| {
+        self.apply(s, slot, epoch, Some((now_ms, tokens)), |b| {
             b.requests = b.requests.saturating_add(1);
             b.prefilling = b.prefilling.saturating_add(1);
             b.tokens = b.tokens.saturating_add(tokens);
@@ -95,7 +100,7 @@ impl LoadLedger {
             return Ok(());
         }
         let tokens = c.tokens;
-        self.apply(s, c.slot, c.epoch, false, |b| {
+        self.apply(s, c.slot, c.epoch, None, |b| {
             b.tokens = b.tokens.saturating_sub(tokens);
             b.prefilling = b.prefilling.saturating_sub(1);
         })?;
@@ -113,7 +118,7 @@ impl LoadLedger {
         if !c.request_held {
             return Ok(());
         }
-        self.apply(s, c.slot, c.epoch, false, |b| {
+        self.apply(s, c.slot, c.epoch, None, |b| {
             b.requests = b.requests.saturating_sub(1);
         })?;
         c.request_held = false;
@@ -127,6 +132,17 @@ impl LoadLedger {
         slot: u16,
         now_ms: u64,
     ) -> Result<Load, StoreError> {
+        self.read(s, slot, now_ms).map(|(load, _)| load)
+    }
+
+    /// The load, and the uncached tokens charged per second over the last 10–20 s: the
+    /// endpoint's prefill utilisation times R_peak, steadier than the instantaneous queue.
+    pub fn read<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        now_ms: u64,
+    ) -> Result<(Load, u64), StoreError> {
         let (v, _) = s.get(&self.key(slot))?;
         let v = v.unwrap_or_default();
         let now = self.epoch(now_ms);
@@ -139,26 +155,31 @@ impl LoadLedger {
                 load.prefilling = load.prefilling.saturating_add(u64::from(b.prefilling));
             }
         }
-        Ok(load)
+        let w = Work::read(&v).rolled(now_ms);
+        let span = WORK_WINDOW_MS + now_ms.saturating_sub(w.start);
+        let work = (w.cur + w.prev).saturating_mul(1000) / span.max(1);
+        Ok((load, work))
     }
 
     /// Drops an endpoint's load (removed from the fleet).
     pub fn clear<S: SharedStore + ?Sized>(&self, s: &S, slot: u16) -> Result<(), StoreError> {
-        s.set(&self.key(slot), &[0u8; RING * SLOT_BYTES], None)
+        s.set(&self.key(slot), &[0u8; VALUE], None)
     }
 
-    /// Read-modify-write of the bucket for `epoch`. A charge claims a stale bucket (resetting
-    /// it: that is the expiry); a release only touches a bucket still on its own epoch.
+    /// Read-modify-write of the bucket for `epoch`. A charge (`work`: its time and tokens)
+    /// claims a stale bucket (resetting it: that is the expiry) and adds to the work window;
+    /// a release only touches a bucket still on its own epoch.
     fn apply<S: SharedStore + ?Sized>(
         &self,
         s: &S,
         slot: u16,
         epoch: u32,
-        claim: bool,
+        work: Option<(u64, u64)>,
         f: impl Fn(&mut Bucket),
     ) -> Result<(), StoreError> {
+        let claim = work.is_some();
         update(s, &self.key(slot), |old| {
-            let mut v = vec![0u8; RING * SLOT_BYTES];
+            let mut v = vec![0u8; VALUE];
             let n = old.len().min(v.len());
             v[..n].copy_from_slice(&old[..n]);
             let i = epoch as usize % RING;
@@ -174,9 +195,56 @@ impl LoadLedger {
             }
             f(&mut b);
             b.write(&mut v, i);
+            if let Some((now_ms, tokens)) = work {
+                let mut w = Work::read(&v).rolled(now_ms);
+                w.cur = w.cur.saturating_add(tokens);
+                w.write(&mut v);
+            }
             Some((v, ()))
         })
         .map(|_| ())
+    }
+}
+
+/// Uncached tokens charged in the current and the previous window.
+#[derive(Debug, Clone, Copy, Default)]
+struct Work {
+    start: u64,
+    cur: u64,
+    prev: u64,
+}
+
+impl Work {
+    fn read(v: &[u8]) -> Work {
+        Work {
+            start: read_u64(v, WORK_AT),
+            cur: read_u64(v, WORK_AT + 8),
+            prev: read_u64(v, WORK_AT + 16),
+        }
+    }
+
+    fn write(&self, v: &mut [u8]) {
+        write_u64(v, WORK_AT, self.start);
+        write_u64(v, WORK_AT + 8, self.cur);
+        write_u64(v, WORK_AT + 16, self.prev);
+    }
+
+    /// The window as it stands at `now_ms`.
+    fn rolled(self, now_ms: u64) -> Work {
+        let aligned = now_ms - now_ms % WORK_WINDOW_MS;
+        match now_ms.saturating_sub(self.start) {
+            d if d < WORK_WINDOW_MS => self,
+            d if d < 2 * WORK_WINDOW_MS => Work {
+                start: aligned,
+                cur: 0,
+                prev: self.cur,
+            },
+            _ => Work {
+                start: aligned,
+                cur: 0,
+                prev: 0,
+            },
+        }
     }
 }
 
@@ -253,29 +321,20 @@ mod tests {
         let l = LoadLedger::new("t", 600);
         let mut a = l.charge(&s, 0, 1000, 0).unwrap();
         let mut b = l.charge(&s, 0, 500, 10).unwrap();
-        assert_eq!(
-            l.load(&s, 0, 10).unwrap(),
-            Load {
-                tokens: 1500,
-                requests: 2,
-                prefilling: 2
-            }
-        );
+        let (at10, work) = l.read(&s, 0, 10).unwrap();
+        assert_eq!((at10.tokens, at10.requests, at10.prefilling), (1500, 2, 2));
+        assert_eq!(work, 1500 * 1000 / 10_010);
         l.release_prefill(&s, &mut a).unwrap();
         l.release_prefill(&s, &mut a).unwrap();
-        assert_eq!(
-            l.load(&s, 0, 20).unwrap(),
-            Load {
-                tokens: 500,
-                requests: 2,
-                prefilling: 1
-            }
-        );
+        let at20 = l.load(&s, 0, 20).unwrap();
+        assert_eq!((at20.tokens, at20.requests, at20.prefilling), (500, 2, 1));
         l.release(&s, &mut b).unwrap();
         l.release(&s, &mut a).unwrap();
         l.release(&s, &mut a).unwrap();
         assert!(a.is_released() && b.is_released());
         assert_eq!(l.load(&s, 0, 30).unwrap(), Load::default());
+        // The work rate forgets after two windows.
+        assert_eq!(l.read(&s, 0, 30_000).unwrap().1, 0);
     }
 
     #[test]

@@ -212,13 +212,15 @@ impl Router {
             .iter()
             .map(|e| {
                 let m = self.index.matched(s, e.slot, &chain.hashes)?;
-                let local = self.ledger.load(s, e.slot, now_ms)?;
+                let (local, work_per_s) = self.ledger.read(s, e.slot, now_ms)?;
                 Ok(Candidate {
                     id: e.id(),
                     matched_blocks: m.blocks,
                     load: blend(local, e.scraped(now_ms, stale), tokens),
                     clock: m.clock,
                     capacity: m.capacity,
+                    heads: m.heads,
+                    work_per_s,
                 })
             })
             .collect()

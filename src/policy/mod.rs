@@ -32,6 +32,10 @@ pub struct Candidate {
     pub clock: u64,
     /// KV capacity in blocks.
     pub capacity: u64,
+    /// Distinct prefixes the endpoint is believed to hold.
+    pub heads: u32,
+    /// Uncached tokens sent to it per second, recently (its prefill utilisation × R_peak).
+    pub work_per_s: u64,
 }
 
 /// The request as the policies see it.

@@ -35,8 +35,10 @@ pub fn fleet(spec: &[(usize, u64)]) -> Vec<Candidate> {
                 requests: tokens / 1_000,
                 prefilling: tokens / 1_000,
             },
+            work_per_s: 0,
             clock: 0,
             capacity: 1_000,
+            heads: 0,
         })
         .collect()
 }

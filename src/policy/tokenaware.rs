@@ -7,8 +7,9 @@
 //!   of the cheapest. Repeated spills build a second warm replica instead of cold-filling a
 //!   different endpoint each time (and evicting its warm prefixes).
 //! - Cold prefixes go to the rendezvous winner, keyed by the first block, among the endpoints
-//!   near the least cost and the least cache churn (index clock). New prefixes spread over
-//!   the caches evenly, and gateway replicas that share no state still tend to agree.
+//!   near the least cost that hold the fewest distinct prefixes. New prefixes spread over the
+//!   caches evenly (an endpoint given a fifth prefix evicts one of its four), and gateway
+//!   replicas that share no state still tend to agree.
 //! - When every endpoint is past τ, spilling cannot create headroom, it only turns capacity
 //!   into cold fills: stay sticky.
 //!
@@ -25,11 +26,12 @@ pub struct Tokenaware {
 }
 
 /// Share of τ within which an endpoint counts as "least loaded" for a spill.
-const SPILL_BAND: f64 = 0.5;
-/// Share of τ within which an endpoint counts as "least loaded" for a cold placement.
-const COLD_BAND: f64 = 0.25;
-/// Share of an endpoint's capacity of cache churn within which it counts as "least churned".
-const CHURN_BAND: f64 = 0.125;
+const SPILL_BAND: f64 = 0.05;
+/// Share of one cold prefill within which cold-placement keys count as tied.
+/// Seconds of an endpoint's recent work rate a cold placement counts as queue: a cold fill
+/// delays everything that arrives behind it.
+const WORK_HORIZON_S: u64 = 20;
+const COLD_BAND: f64 = 0.2;
 
 impl Tokenaware {
     fn band(&self, ask: &Ask, fleet: &[Candidate], among: &[usize], share: f64) -> Vec<usize> {
@@ -53,17 +55,20 @@ impl Tokenaware {
             .max_by_key(|&i| rendezvous(key, fleet[i].id))
     }
 
+    /// Cold placement trades cache room against queue: each prefix an endpoint already
+    /// holds counts as one prefill of this request, since placing one more there evicts one.
     fn cold(&self, ask: &Ask, fleet: &[Candidate]) -> Option<usize> {
-        let near = self.band(ask, fleet, &all(fleet), COLD_BAND);
-        let min_clock = near.iter().map(|&i| fleet[i].clock).min().unwrap_or(0);
-        let fresh: Vec<usize> = near
-            .iter()
-            .copied()
-            .filter(|&i| {
-                (fleet[i].clock - min_clock) as f64 <= fleet[i].capacity as f64 * CHURN_BAND
-            })
+        let key = |i: usize| {
+            ask.cost(&fleet[i])
+                + u64::from(fleet[i].heads) * ask.tokens
+                + fleet[i].work_per_s * WORK_HORIZON_S
+        };
+        let min = (0..fleet.len()).map(key).min().unwrap_or(0);
+        let slack = (ask.tokens as f64 * COLD_BAND) as u64;
+        let near: Vec<usize> = (0..fleet.len())
+            .filter(|&i| key(i) <= min + slack)
             .collect();
-        Self::rendezvous_pick(fleet, &fresh, ask.chain.first().copied().unwrap_or(0))
+        Self::rendezvous_pick(fleet, &near, ask.chain.first().copied().unwrap_or(0))
     }
 
     /// Spill target: not a warm endpoint that is itself past the gate (its cache discount
@@ -177,7 +182,7 @@ mod tests {
     }
 
     #[test]
-    fn cold_placement_is_stable_and_avoids_churned() {
+    fn cold_placement_is_stable_and_avoids_full() {
         let chain: Vec<u64> = (40..50).collect();
         let mut f = fleet(&[(0, 0), (0, 0), (0, 0), (0, 0)]);
         let first = ta().pick(&ask(&chain), &f, 0).unwrap();
@@ -188,8 +193,8 @@ mod tests {
                 first.endpoint
             );
         }
-        // The same endpoint, after heavy cache churn, is avoided.
-        f[first.endpoint].clock = 10_000;
+        // The same endpoint, holding more prefixes than the others, is avoided.
+        f[first.endpoint].heads = 3;
         assert_ne!(
             ta().pick(&ask(&chain), &f, 0).unwrap().endpoint,
             first.endpoint
