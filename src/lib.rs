@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod endpoints;
+pub mod filter;
 pub mod index;
 pub mod ledger;
 pub mod policy;
@@ -15,6 +16,9 @@ pub mod prometheus;
 pub mod request;
 pub mod router;
 pub mod store;
+// The proxy-wasm binding; never in test binaries (their runner has no proxy-wasm host).
+#[cfg(all(target_arch = "wasm32", not(test)))]
+mod wasm;
 
 /// Crate version and git hash, logged at VM start.
 pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "+", env!("TOKENAWARE_GIT_HASH"));

@@ -1,0 +1,326 @@
+//! One HTTP stream through the filter.
+//!
+//! Request: strip client-sent destination headers (always); on an inference route pause at
+//! headers and buffer the body; at end of stream (or in the trailers) parse, route and set
+//! `x-gateway-destination-endpoint: ip:port,fallback,…`. A body over `maxBodyBytes`, a parse
+//! failure, no endpoint or an internal error: no header, counted, and Envoy's fallback
+//! policy picks. Response: the first body byte releases the prefill tokens, a 5xx before it
+//! marks an early failure, and the stream's end (`on_log`, which also runs on resets)
+//! releases the request exactly once. Prompt text never leaves this module.
+
+use std::rc::Rc;
+
+use super::host::Host;
+use super::stats::{Counter, Fallback};
+use super::usage;
+use super::vm::Vm;
+use crate::request::{parse, ApiKind, ParseLimits};
+use crate::router::{Outcome, Routed};
+
+pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+pub const DESTINATION_SERVED: &str = "x-gateway-destination-endpoint-served";
+pub const DECISION: &str = "x-tokenaware-decision";
+
+/// What the host should do with the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Continue,
+    Pause,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Not an inference route, or already decided.
+    Pass,
+    /// Buffering the request body.
+    Buffering(ApiKind),
+}
+
+pub struct HttpFilter {
+    vm: Option<Rc<Vm>>,
+    phase: Phase,
+    /// Request body bytes the host holds (the last `body_size` seen).
+    body_size: usize,
+    routed: Option<Routed>,
+    /// `x-tokenaware-decision` value, when enabled.
+    note: Option<String>,
+    first_byte: bool,
+    failed_early: bool,
+    /// Last bytes of the response body, for `usage`.
+    tail: Vec<u8>,
+}
+
+impl HttpFilter {
+    pub fn new(vm: Option<Rc<Vm>>) -> HttpFilter {
+        HttpFilter {
+            vm,
+            phase: Phase::Pass,
+            body_size: 0,
+            routed: None,
+            note: None,
+            first_byte: false,
+            failed_early: false,
+            tail: Vec::new(),
+        }
+    }
+
+    pub fn on_request_headers<H: Host>(&mut self, h: &H, end_of_stream: bool) -> Action {
+        let had = matches!(h.request_header(DESTINATION), Ok(Some(_)));
+        let _ = h.remove_request_header(DESTINATION);
+        let _ = h.remove_request_header(DESTINATION_SERVED);
+        let Some(vm) = self.vm.clone() else {
+            return Action::Continue;
+        };
+        if had {
+            vm.stats.inc(h, Counter::ClientHeaderStripped);
+        }
+        let path = match h.request_header(":path") {
+            Ok(Some(p)) => p,
+            _ => return Action::Continue,
+        };
+        let path = String::from_utf8_lossy(&path);
+        if vm
+            .cfg
+            .debug_path
+            .as_deref()
+            .is_some_and(|d| path_is(&path, d))
+        {
+            let body = vm.debug_json(h);
+            let hdrs = [("content-type", "application/json")];
+            return match h.send_response(200, &hdrs, &body) {
+                Ok(()) => Action::Pause,
+                Err(_) => Action::Continue,
+            };
+        }
+        if !vm.cfg.is_routed_path(&path) {
+            return Action::Continue;
+        }
+        let kind = api_kind(&path);
+        if end_of_stream {
+            return self.fallback(h, &vm, Fallback::NoBody);
+        }
+        let declared = h
+            .request_header("content-length")
+            .ok()
+            .flatten()
+            .and_then(|v| std::str::from_utf8(&v).ok()?.trim().parse::<u64>().ok());
+        if declared.is_some_and(|n| n > vm.cfg.max_body_bytes) {
+            return self.fallback(h, &vm, Fallback::TooLarge);
+        }
+        self.phase = Phase::Buffering(kind);
+        Action::Pause
+    }
+
+    pub fn on_request_body<H: Host>(
+        &mut self,
+        h: &H,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
+        let (Phase::Buffering(kind), Some(vm)) = (self.phase, self.vm.clone()) else {
+            return Action::Continue;
+        };
+        self.body_size = body_size;
+        if body_size as u64 > vm.cfg.max_body_bytes {
+            return self.fallback(h, &vm, Fallback::TooLarge);
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        self.decide(h, &vm, kind)
+    }
+
+    /// A request that ends in trailers: the body is complete here.
+    pub fn on_request_trailers<H: Host>(&mut self, h: &H) -> Action {
+        match (self.phase, self.vm.clone()) {
+            (Phase::Buffering(kind), Some(vm)) => self.decide(h, &vm, kind),
+            _ => Action::Continue,
+        }
+    }
+
+    pub fn on_response_headers<H: Host>(&mut self, h: &H, end_of_stream: bool) -> Action {
+        if let Some(note) = &self.note {
+            let _ = h.set_response_header(DECISION, note);
+        }
+        if self.routed.is_none() || self.first_byte {
+            return Action::Continue;
+        }
+        let status = h
+            .response_header(":status")
+            .ok()
+            .flatten()
+            .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok())
+            .unwrap_or(0);
+        if status >= 500 || status == 0 {
+            self.failed_early = true;
+        } else if end_of_stream {
+            self.first_byte(h);
+        }
+        Action::Continue
+    }
+
+    pub fn on_response_body<H: Host>(
+        &mut self,
+        h: &H,
+        body_size: usize,
+        _end_of_stream: bool,
+    ) -> Action {
+        if self.routed.is_none() || body_size == 0 {
+            return Action::Continue;
+        }
+        if !self.first_byte && !self.failed_early {
+            self.first_byte(h);
+        }
+        let want = body_size.min(usage::TAIL_BYTES);
+        if let Ok(chunk) = h.response_body(body_size - want, want) {
+            usage::keep_tail(&mut self.tail, &chunk);
+        }
+        Action::Continue
+    }
+
+    /// End of the stream, whatever happened (also resets and local replies): release what
+    /// the request still holds. Runs once per stream.
+    pub fn on_log<H: Host>(&mut self, h: &H) {
+        let (Some(mut routed), Some(vm)) = (self.routed.take(), self.vm.clone()) else {
+            return;
+        };
+        let outcome = if self.first_byte && !self.failed_early {
+            Outcome::Done
+        } else {
+            vm.stats.inc(h, Counter::FailedEarly);
+            Outcome::FailedEarly
+        };
+        let released = match vm.router.try_borrow() {
+            Ok(r) => r.finish(h, &mut routed, outcome).is_ok(),
+            Err(_) => false,
+        };
+        if released {
+            vm.stats.inc(h, Counter::Released);
+        } else {
+            vm.stats.inc(h, Counter::ReleaseErrors);
+        }
+        if let Some(u) = usage::scan(&self.tail) {
+            vm.stats.add(h, Counter::UsagePromptTokens, u.prompt_tokens);
+            vm.stats.add(h, Counter::UsageCachedTokens, u.cached_tokens);
+        }
+    }
+
+    fn first_byte<H: Host>(&mut self, h: &H) {
+        self.first_byte = true;
+        let (Some(routed), Some(vm)) = (self.routed.as_mut(), self.vm.as_ref()) else {
+            return;
+        };
+        let ok = match vm.router.try_borrow() {
+            Ok(r) => r.first_byte(h, routed).is_ok(),
+            Err(_) => false,
+        };
+        if !ok {
+            vm.stats.inc(h, Counter::ReleaseErrors);
+        }
+    }
+
+    /// End of the request body: parse, route, set the destination.
+    fn decide<H: Host>(&mut self, h: &H, vm: &Vm, kind: ApiKind) -> Action {
+        self.phase = Phase::Pass;
+        if self.body_size == 0 {
+            return self.fallback(h, vm, Fallback::NoBody);
+        }
+        let body = match h.request_body(0, self.body_size) {
+            Ok(b) => b,
+            Err(e) => {
+                vm.log_error(h, &format!("reading the request body: {}", e.as_str()));
+                return self.fallback(h, vm, Fallback::Internal);
+            }
+        };
+        let limits = ParseLimits {
+            max_body_bytes: usize::try_from(vm.cfg.max_body_bytes).unwrap_or(usize::MAX),
+            ..ParseLimits::default()
+        };
+        let req = match parse(kind, &body, &limits) {
+            Ok(r) => r,
+            Err(e) => return self.fallback(h, vm, Fallback::from_parse(e)),
+        };
+        drop(body);
+        let Ok(now) = h.now_ms() else {
+            vm.log_error(h, "reading the clock");
+            return self.fallback(h, vm, Fallback::Internal);
+        };
+        let table = vm.table(h);
+        let Ok(mut router) = vm.router.try_borrow_mut() else {
+            vm.log_error(h, "router busy");
+            return self.fallback(h, vm, Fallback::Internal);
+        };
+        let chain = router.hash(&req);
+        let tokens = router.prompt_tokens(&req);
+        drop(req);
+        let mut routed = match router.route(h, &table.endpoints, &chain, tokens, now) {
+            Ok(r) => r,
+            Err(e) => {
+                drop(router);
+                let why = match e {
+                    crate::router::RouteError::NoEndpoints => Fallback::NoEndpoints,
+                    crate::router::RouteError::Store => Fallback::Store,
+                };
+                return self.fallback(h, vm, why);
+            }
+        };
+        if let Err(e) = h.set_request_header(DESTINATION, &routed.addresses.join(",")) {
+            let _ = router.finish(h, &mut routed, Outcome::FailedEarly);
+            drop(router);
+            vm.log_error(h, &format!("setting the destination: {}", e.as_str()));
+            return self.fallback(h, vm, Fallback::Internal);
+        }
+        drop(router);
+        let d = &routed.decision;
+        vm.stats.inc(h, Counter::Routed);
+        vm.stats.decision(h, d.reason);
+        vm.stats.hit_ratio(h, d.hit);
+        if d.tau_broken {
+            vm.stats.inc(h, Counter::TauBreaks);
+        }
+        if vm.cfg.decision_header {
+            self.note = Some(format!(
+                "endpoint={}; reason={}; hit={:.2}; cost={}; tokens={}",
+                routed.addresses.first().map(String::as_str).unwrap_or(""),
+                d.reason.as_str(),
+                d.hit,
+                d.cost,
+                routed.tokens,
+            ));
+        }
+        self.routed = Some(routed);
+        Action::Continue
+    }
+
+    fn fallback<H: Host>(&mut self, h: &H, vm: &Vm, why: Fallback) -> Action {
+        self.phase = Phase::Pass;
+        vm.stats.fallback(h, why);
+        if vm.cfg.decision_header {
+            self.note = Some(format!("reason=fallback; why={}", why.as_str()));
+        }
+        Action::Continue
+    }
+}
+
+fn path_is(path: &str, want: &str) -> bool {
+    path.split('?').next().unwrap_or(path) == want
+}
+
+/// The API a routed path speaks: the standard paths, else by suffix (for prefixed routes),
+/// else chat.
+fn api_kind(path: &str) -> ApiKind {
+    if let Some(k) = ApiKind::from_path(path) {
+        return k;
+    }
+    let p = path.split(['?', '#']).next().unwrap_or(path);
+    let p = p.strip_suffix('/').unwrap_or(p);
+    if p.ends_with("/chat/completions") {
+        ApiKind::ChatCompletions
+    } else if p.ends_with("/completions") {
+        ApiKind::Completions
+    } else if p.ends_with("/responses") {
+        ApiKind::Responses
+    } else {
+        ApiKind::ChatCompletions
+    }
+}

@@ -1,0 +1,441 @@
+//! The VM's root: configuration, and the tick that keeps the endpoint table fresh.
+//!
+//! The tick fires in every VM (each worker and the main thread), so a lease in shared data
+//! (`{namespace}/lease`: owner and expiry, renewed with CAS) picks one poller per Envoy
+//! process. The poller (a) fetches Envoy's admin `/clusters?format=json` when `discovery` is
+//! set and reconciles the table, (b) fetches each endpoint's `/metrics` through the model
+//! cluster with `x-gateway-destination-endpoint: ip:port`, so override_host sends the poll to
+//! that one endpoint, at most one poll in flight per endpoint, and (c) publishes each
+//! endpoint's in-flight tokens as a gauge. The table goes to shared data as JSON with CAS;
+//! every VM re-reads it when its version changes (see `vm`).
+
+use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
+
+use super::host::{Host, Level, MetricKind};
+use super::http::DESTINATION;
+use super::stats::{endpoint_gauge_name, Counter};
+use super::vm::Vm;
+use crate::config::{Config, ConfigError};
+use crate::endpoints::{Changes, EndpointTable};
+use crate::prometheus::{parse_metrics, ServerMetrics};
+use crate::store::{update, StoreError};
+
+/// Largest `/metrics` body read (vLLM's can be hundreds of KiB of histograms).
+pub const MAX_METRICS_BYTES: usize = 1 << 20;
+/// Largest admin `/clusters?format=json` body read.
+pub const MAX_CLUSTERS_BYTES: usize = 4 << 20;
+/// Consecutive failed polls after which an endpoint is taken out of rotation (until a poll
+/// succeeds again).
+pub const UNHEALTHY_AFTER: u32 = 2;
+
+/// The poller lease, 16 bytes: owner id, expiry (ms), little-endian.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    pub owner: u64,
+    pub expires_ms: u64,
+}
+
+impl Lease {
+    pub fn encode(&self) -> [u8; 16] {
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&self.owner.to_le_bytes());
+        b[8..].copy_from_slice(&self.expires_ms.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Option<Lease> {
+        Some(Lease {
+            owner: u64::from_le_bytes(b.get(..8)?.try_into().ok()?),
+            expires_ms: u64::from_le_bytes(b.get(8..16)?.try_into().ok()?),
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Call {
+    Discovery,
+    Metrics(String),
+}
+
+pub struct Root {
+    vm: Rc<Vm>,
+    calls: HashMap<u32, (Call, u64)>,
+    /// Endpoints with a poll in flight.
+    polling: HashSet<String>,
+    next_discovery_ms: u64,
+    next_metrics_ms: u64,
+    /// Consecutive failed polls per endpoint.
+    failures: HashMap<String, u32>,
+    /// Endpoints Envoy reports unhealthy (discovery).
+    envoy_down: HashSet<String>,
+    gauges: HashMap<u16, u32>,
+}
+
+impl Root {
+    /// Parses and validates the plugin configuration and sets up this VM. `id` must differ
+    /// between VMs (it is the lease owner).
+    pub fn configure<H: Host>(h: &H, bytes: &[u8], id: u64) -> Result<Root, ConfigError> {
+        let cfg = Config::from_json(bytes)?;
+        Ok(Root {
+            vm: Rc::new(Vm::new(h, cfg, id)),
+            calls: HashMap::new(),
+            polling: HashSet::new(),
+            next_discovery_ms: 0,
+            next_metrics_ms: 0,
+            failures: HashMap::new(),
+            envoy_down: HashSet::new(),
+            gauges: HashMap::new(),
+        })
+    }
+
+    pub fn vm(&self) -> Rc<Vm> {
+        self.vm.clone()
+    }
+
+    /// The tick period: the shortest configured interval, else one second.
+    pub fn tick_period_ms(&self) -> u64 {
+        let c = &self.vm.cfg;
+        let mut p = 1_000;
+        if let Some(m) = &c.metrics {
+            p = p.min(m.interval_ms);
+        }
+        if let Some(d) = &c.discovery {
+            p = p.min(d.interval_ms);
+        }
+        p.max(10)
+    }
+
+    pub fn on_tick<H: Host>(&mut self, h: &H) {
+        let Ok(now) = h.now_ms() else { return };
+        if !self.hold_lease(h, now) {
+            return;
+        }
+        self.expire_calls(now);
+        if let Some(d) = self.vm.cfg.discovery.clone() {
+            let busy = self.calls.values().any(|(c, _)| *c == Call::Discovery);
+            if now >= self.next_discovery_ms && !busy {
+                self.next_discovery_ms = now + d.interval_ms;
+                let hdrs = [
+                    (":method", "GET"),
+                    (":path", "/clusters?format=json"),
+                    (":authority", "envoy-admin"),
+                ];
+                match h.dispatch(&d.admin_cluster, &hdrs, d.interval_ms.clamp(100, 5_000)) {
+                    Ok(token) => {
+                        self.calls.insert(token, (Call::Discovery, now));
+                    }
+                    Err(_) => self.vm.stats.inc(h, Counter::DiscoveryFailed),
+                }
+            }
+        }
+        if let Some(m) = self.vm.cfg.metrics.clone() {
+            if now >= self.next_metrics_ms {
+                self.next_metrics_ms = now + m.interval_ms;
+                let table = self.vm.table(h);
+                for e in &table.endpoints {
+                    if self.polling.contains(&e.address) {
+                        continue;
+                    }
+                    let hdrs = [
+                        (":method", "GET"),
+                        (":path", m.path.as_str()),
+                        (":authority", e.address.as_str()),
+                        (DESTINATION, e.address.as_str()),
+                    ];
+                    match h.dispatch(&m.cluster, &hdrs, m.timeout_ms) {
+                        Ok(token) => {
+                            self.calls
+                                .insert(token, (Call::Metrics(e.address.clone()), now));
+                            self.polling.insert(e.address.clone());
+                        }
+                        Err(_) => self.poll_failed(h, &e.address),
+                    }
+                }
+            }
+        }
+        self.record_gauges(h, now);
+    }
+
+    /// The answer to a call this root made; `num_headers == 0` means it failed (timeout,
+    /// reset, connect failure).
+    pub fn on_call_response<H: Host>(
+        &mut self,
+        h: &H,
+        token: u32,
+        num_headers: usize,
+        body: usize,
+    ) {
+        let Some((call, _)) = self.calls.remove(&token) else {
+            return;
+        };
+        let ok = num_headers > 0
+            && matches!(h.call_response_header(":status"), Ok(Some(s)) if s == b"200");
+        match call {
+            Call::Metrics(address) => {
+                self.polling.remove(&address);
+                if !ok {
+                    return self.poll_failed(h, &address);
+                }
+                match h.call_response_body(body.min(MAX_METRICS_BYTES)) {
+                    Ok(text) => {
+                        let m = parse_metrics(&text, MAX_METRICS_BYTES);
+                        self.poll_ok(h, &address, &m);
+                    }
+                    Err(_) => self.poll_failed(h, &address),
+                }
+            }
+            Call::Discovery => {
+                let found = if ok {
+                    h.call_response_body(body.min(MAX_CLUSTERS_BYTES))
+                        .ok()
+                        .and_then(|b| self.parse_clusters(&b))
+                } else {
+                    None
+                };
+                match found {
+                    Some(found) => self.discovered(h, found),
+                    None => self.vm.stats.inc(h, Counter::DiscoveryFailed),
+                }
+            }
+        }
+    }
+
+    fn hold_lease<H: Host>(&self, h: &H, now: u64) -> bool {
+        let ttl = (3 * self.tick_period_ms()).max(1_000);
+        let Ok((v, cas)) = h.get(&self.vm.keys.lease) else {
+            return false;
+        };
+        let free = match v.as_deref().and_then(Lease::decode) {
+            None => true,
+            Some(l) => l.owner == self.vm.id || l.expires_ms <= now,
+        };
+        if !free {
+            return false;
+        }
+        let mine = Lease {
+            owner: self.vm.id,
+            expires_ms: now + ttl,
+        };
+        if h.set(&self.vm.keys.lease, &mine.encode(), cas).is_err() {
+            return false;
+        }
+        // Creating a key ignores the CAS, so two first writers can both succeed: read back.
+        matches!(h.get(&self.vm.keys.lease),
+            Ok((Some(v), _)) if Lease::decode(&v).is_some_and(|l| l.owner == self.vm.id))
+    }
+
+    /// Forgets calls whose answer never came (the host should always answer; be safe).
+    fn expire_calls(&mut self, now: u64) {
+        let limit = self
+            .vm
+            .cfg
+            .metrics
+            .as_ref()
+            .map_or(5_000, |m| m.timeout_ms)
+            .max(5_000)
+            + 5_000;
+        let stale: Vec<u32> = self
+            .calls
+            .iter()
+            .filter(|(_, (_, at))| now.saturating_sub(*at) > limit)
+            .map(|(t, _)| *t)
+            .collect();
+        for t in stale {
+            if let Some((Call::Metrics(a), _)) = self.calls.remove(&t) {
+                self.polling.remove(&a);
+            }
+        }
+    }
+
+    fn poll_ok<H: Host>(&mut self, h: &H, address: &str, m: &ServerMetrics) {
+        self.vm.stats.inc(h, Counter::PollsOk);
+        self.failures.remove(address);
+        let now = h.now_ms().unwrap_or(0);
+        let healthy = !self.envoy_down.contains(address);
+        let capacity = match (m.num_gpu_blocks, m.block_size) {
+            (Some(n), Some(b)) if n >= 1.0 && b >= 1.0 => {
+                Some(self.vm.cfg.capacity_blocks((n * b) as u64))
+            }
+            _ => None,
+        };
+        let r = self.update_table(h, |t| {
+            let e = t.get_mut(address)?;
+            e.waiting = m.waiting;
+            e.running = m.running;
+            e.scraped_at_ms = now;
+            e.healthy = healthy;
+            match capacity {
+                Some(c) if c != e.capacity_blocks => {
+                    e.capacity_blocks = c;
+                    Some((e.slot, c))
+                }
+                _ => None,
+            }
+        });
+        if let Ok(Some((slot, c))) = r {
+            if let Ok(router) = self.vm.router.try_borrow() {
+                let _ = router.index.set_capacity(h, slot, c);
+            }
+        }
+    }
+
+    fn poll_failed<H: Host>(&mut self, h: &H, address: &str) {
+        self.vm.stats.inc(h, Counter::PollsFailed);
+        let n = self.failures.entry(address.to_string()).or_insert(0);
+        *n = n.saturating_add(1);
+        if *n == UNHEALTHY_AFTER {
+            h.log(
+                Level::Warn,
+                &format!("tokenaware: {address} failed {UNHEALTHY_AFTER} polls; out of rotation"),
+            );
+            let _ = self.update_table(h, |t| {
+                if let Some(e) = t.get_mut(address) {
+                    e.healthy = false;
+                }
+            });
+        }
+    }
+
+    fn discovered<H: Host>(&mut self, h: &H, found: Vec<(String, bool)>) {
+        self.vm.stats.inc(h, Counter::DiscoveryOk);
+        self.envoy_down = found
+            .iter()
+            .filter(|(_, ok)| !ok)
+            .map(|(a, _)| a.clone())
+            .collect();
+        let found: Vec<(String, bool)> = found
+            .into_iter()
+            .map(|(a, ok)| {
+                let polled_ok = self.failures.get(&a).copied().unwrap_or(0) < UNHEALTHY_AFTER;
+                (a, ok && polled_ok)
+            })
+            .collect();
+        let cfg = &self.vm.cfg;
+        let (max, cap) = (
+            cfg.max_endpoints as usize,
+            cfg.capacity_blocks(cfg.kv_capacity_tokens),
+        );
+        let r = self.update_table(h, |t| {
+            let c = t.reconcile(&found, max, cap);
+            (c, t.clone())
+        });
+        let Ok((changes, table)) = r else { return };
+        let Changes { removed, added } = changes;
+        if removed.is_empty() && added.is_empty() {
+            return;
+        }
+        h.log(
+            Level::Info,
+            &format!(
+                "tokenaware: discovery: {} endpoints ({} added, {} removed)",
+                table.endpoints.len(),
+                added.len(),
+                removed.len()
+            ),
+        );
+        if let Ok(router) = self.vm.router.try_borrow() {
+            for slot in removed.iter().chain(added.iter()) {
+                let _ = router.clear_slot(h, *slot);
+            }
+            let _ = router.sync_capacities(h, &table.endpoints);
+        }
+        for slot in removed {
+            if let Some(id) = self.gauges.get(&slot) {
+                let _ = h.record_metric(*id, 0);
+            }
+        }
+    }
+
+    /// Hosts of the model cluster in admin `/clusters?format=json`, with Envoy's health.
+    fn parse_clusters(&self, body: &[u8]) -> Option<Vec<(String, bool)>> {
+        let want = &self.vm.cfg.discovery.as_ref()?.model_cluster;
+        let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+        let cluster = v
+            .get("cluster_statuses")?
+            .as_array()?
+            .iter()
+            .find(|c| c.get("name").and_then(|n| n.as_str()) == Some(want.as_str()))?;
+        let Some(hosts) = cluster.get("host_statuses").and_then(|h| h.as_array()) else {
+            return Some(Vec::new());
+        };
+        Some(
+            hosts
+                .iter()
+                .filter_map(|h| {
+                    let a = h.get("address")?.get("socket_address")?;
+                    let ip = a.get("address")?.as_str()?;
+                    let port = a.get("port_value")?.as_u64()?;
+                    let addr = if ip.contains(':') {
+                        format!("[{ip}]:{port}")
+                    } else {
+                        format!("{ip}:{port}")
+                    };
+                    Some((addr, host_healthy(h.get("health_status"))))
+                })
+                .collect(),
+        )
+    }
+
+    /// Read-modify-write of the shared table (CAS), then a version bump so VMs re-read it.
+    fn update_table<H: Host, T>(
+        &self,
+        h: &H,
+        mut f: impl FnMut(&mut EndpointTable) -> T,
+    ) -> Result<T, StoreError> {
+        let base = self.vm.static_table();
+        let out = update(h, &self.vm.keys.eps, |old| {
+            let mut t = EndpointTable::from_json(old).unwrap_or_else(|| base.clone());
+            let r = f(&mut t);
+            Some((t.to_json(), r))
+        })?
+        .ok_or(StoreError::Host)?;
+        h.set(&self.vm.keys.eps_version, &[1], None)?;
+        Ok(out)
+    }
+
+    fn record_gauges<H: Host>(&mut self, h: &H, now: u64) {
+        let table = self.vm.table(h);
+        let Ok(router) = self.vm.router.try_borrow() else {
+            return;
+        };
+        for e in &table.endpoints {
+            let id = match self.gauges.get(&e.slot) {
+                Some(id) => *id,
+                None => match h.define_metric(MetricKind::Gauge, &endpoint_gauge_name(e.slot)) {
+                    Ok(id) => {
+                        self.gauges.insert(e.slot, id);
+                        id
+                    }
+                    Err(_) => continue,
+                },
+            };
+            if let Ok(load) = router.ledger.load(h, e.slot, now) {
+                let _ = h.record_metric(id, load.tokens);
+            }
+        }
+    }
+}
+
+/// Envoy's view of one host (`health_status` in admin `/clusters?format=json`).
+fn host_healthy(hs: Option<&serde_json::Value>) -> bool {
+    let Some(hs) = hs else { return true };
+    const FAILED: [&str; 6] = [
+        "failed_active_health_check",
+        "failed_outlier_check",
+        "failed_active_degraded_check",
+        "pending_dynamic_removal",
+        "excluded_via_immediate_hc_fail",
+        "active_hc_timeout",
+    ];
+    if FAILED
+        .iter()
+        .any(|k| hs.get(*k).and_then(|v| v.as_bool()) == Some(true))
+    {
+        return false;
+    }
+    !matches!(
+        hs.get("eds_health_status").and_then(|v| v.as_str()),
+        Some("UNHEALTHY" | "DRAINING" | "TIMEOUT")
+    )
+}

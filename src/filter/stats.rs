@@ -1,0 +1,213 @@
+//! The filter's Envoy stats, defined once per VM. Envoy prefixes each name with
+//! `wasmcustom.` in admin `/stats` (Prometheus drops the prefix); counters add up across
+//! worker VMs, gauges are last-writer-wins. A metric that fails to define or update is
+//! skipped: stats never fail a request.
+
+use super::host::{Host, MetricKind};
+use crate::policy::Reason;
+use crate::request::ParseError;
+
+/// Why a request went on without a destination (to the cluster's fallback policy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fallback {
+    /// Body over `maxBodyBytes` (or the parser's own limit).
+    TooLarge,
+    NotJson,
+    TooDeep,
+    NotObject,
+    NoModel,
+    NoPrompt,
+    WrongType,
+    /// An inference path with no body at all.
+    NoBody,
+    NoEndpoints,
+    Store,
+    Internal,
+}
+
+impl Fallback {
+    pub const ALL: [Fallback; 11] = [
+        Fallback::TooLarge,
+        Fallback::NotJson,
+        Fallback::TooDeep,
+        Fallback::NotObject,
+        Fallback::NoModel,
+        Fallback::NoPrompt,
+        Fallback::WrongType,
+        Fallback::NoBody,
+        Fallback::NoEndpoints,
+        Fallback::Store,
+        Fallback::Internal,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Fallback::TooLarge => "too_large",
+            Fallback::NotJson => "not_json",
+            Fallback::TooDeep => "too_deep",
+            Fallback::NotObject => "not_object",
+            Fallback::NoModel => "no_model",
+            Fallback::NoPrompt => "no_prompt",
+            Fallback::WrongType => "wrong_type",
+            Fallback::NoBody => "no_body",
+            Fallback::NoEndpoints => "no_endpoints",
+            Fallback::Store => "store",
+            Fallback::Internal => "internal",
+        }
+    }
+
+    pub const fn from_parse(e: ParseError) -> Fallback {
+        match e {
+            ParseError::TooLarge => Fallback::TooLarge,
+            ParseError::NotJson => Fallback::NotJson,
+            ParseError::TooDeep => Fallback::TooDeep,
+            ParseError::NotObject => Fallback::NotObject,
+            ParseError::NoModel => Fallback::NoModel,
+            ParseError::NoPrompt => Fallback::NoPrompt,
+            ParseError::WrongType(_) => Fallback::WrongType,
+        }
+    }
+
+    const fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Plain counters (besides decisions and fallbacks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Counter {
+    /// Requests that got a destination (and a ledger charge).
+    Routed,
+    /// Routed requests whose charge was returned at stream end.
+    Released,
+    /// Routed requests that failed before the first response byte (index insert undone).
+    FailedEarly,
+    TauBreaks,
+    /// Requests that came with a client-sent destination header (removed).
+    ClientHeaderStripped,
+    PollsOk,
+    PollsFailed,
+    DiscoveryOk,
+    DiscoveryFailed,
+    UsagePromptTokens,
+    UsageCachedTokens,
+    /// A ledger or index update at first byte / stream end failed.
+    ReleaseErrors,
+}
+
+impl Counter {
+    pub const ALL: [Counter; 12] = [
+        Counter::Routed,
+        Counter::Released,
+        Counter::FailedEarly,
+        Counter::TauBreaks,
+        Counter::ClientHeaderStripped,
+        Counter::PollsOk,
+        Counter::PollsFailed,
+        Counter::DiscoveryOk,
+        Counter::DiscoveryFailed,
+        Counter::UsagePromptTokens,
+        Counter::UsageCachedTokens,
+        Counter::ReleaseErrors,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Counter::Routed => "tokenaware_requests_routed",
+            Counter::Released => "tokenaware_requests_released",
+            Counter::FailedEarly => "tokenaware_requests_failed_early",
+            Counter::TauBreaks => "tokenaware_tau_breaks",
+            Counter::ClientHeaderStripped => "tokenaware_client_header_stripped",
+            Counter::PollsOk => "tokenaware_polls_ok",
+            Counter::PollsFailed => "tokenaware_polls_failed",
+            Counter::DiscoveryOk => "tokenaware_discovery_ok",
+            Counter::DiscoveryFailed => "tokenaware_discovery_failed",
+            Counter::UsagePromptTokens => "tokenaware_usage_prompt_tokens",
+            Counter::UsageCachedTokens => "tokenaware_usage_cached_tokens",
+            Counter::ReleaseErrors => "tokenaware_release_errors",
+        }
+    }
+
+    const fn index(self) -> usize {
+        self as usize
+    }
+}
+
+pub const HIT_RATIO: &str = "tokenaware_hit_ratio_pct";
+
+/// Name of the per-endpoint in-flight tokens gauge.
+pub fn endpoint_gauge_name(slot: u16) -> String {
+    format!("tokenaware_endpoint_{slot}_inflight_tokens")
+}
+
+/// Metric ids of one VM.
+#[derive(Debug, Clone, Default)]
+pub struct Stats {
+    decisions: [Option<u32>; Reason::ALL.len()],
+    fallbacks: [Option<u32>; Fallback::ALL.len()],
+    counters: [Option<u32>; Counter::ALL.len()],
+    hit_ratio: Option<u32>,
+}
+
+impl Stats {
+    pub fn define<H: Host + ?Sized>(h: &H) -> Stats {
+        let mut s = Stats::default();
+        for (slot, r) in s.decisions.iter_mut().zip(Reason::ALL) {
+            *slot = h
+                .define_metric(
+                    MetricKind::Counter,
+                    &format!("tokenaware_decisions_{}", r.as_str()),
+                )
+                .ok();
+        }
+        for (slot, f) in s.fallbacks.iter_mut().zip(Fallback::ALL) {
+            *slot = h
+                .define_metric(
+                    MetricKind::Counter,
+                    &format!("tokenaware_fallback_{}", f.as_str()),
+                )
+                .ok();
+        }
+        for (slot, c) in s.counters.iter_mut().zip(Counter::ALL) {
+            *slot = h.define_metric(MetricKind::Counter, c.name()).ok();
+        }
+        s.hit_ratio = h.define_metric(MetricKind::Histogram, HIT_RATIO).ok();
+        s
+    }
+
+    pub fn add<H: Host + ?Sized>(&self, h: &H, c: Counter, n: u64) {
+        if n > 0 {
+            bump(h, self.counters.get(c.index()).copied().flatten(), n);
+        }
+    }
+
+    pub fn inc<H: Host + ?Sized>(&self, h: &H, c: Counter) {
+        self.add(h, c, 1);
+    }
+
+    pub fn decision<H: Host + ?Sized>(&self, h: &H, r: Reason) {
+        let i = Reason::ALL.iter().position(|x| *x == r);
+        bump(
+            h,
+            i.and_then(|i| self.decisions.get(i).copied().flatten()),
+            1,
+        );
+    }
+
+    pub fn fallback<H: Host + ?Sized>(&self, h: &H, f: Fallback) {
+        bump(h, self.fallbacks.get(f.index()).copied().flatten(), 1);
+    }
+
+    pub fn hit_ratio<H: Host + ?Sized>(&self, h: &H, hit: f64) {
+        if let Some(id) = self.hit_ratio {
+            let pct = (hit.clamp(0.0, 1.0) * 100.0).round() as u64;
+            let _ = h.record_metric(id, pct);
+        }
+    }
+}
+
+fn bump<H: Host + ?Sized>(h: &H, id: Option<u32>, n: u64) {
+    if let Some(id) = id {
+        let _ = h.increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
+    }
+}

@@ -1,0 +1,566 @@
+//! The filter through `FakeHost`: request and response paths, fallbacks, the ledger's
+//! return to zero on every path, the poller lease, metric polls and discovery.
+
+use std::rc::Rc;
+
+use super::http::{DECISION, DESTINATION, DESTINATION_SERVED};
+use super::stats::endpoint_gauge_name;
+use super::testing::FakeHost;
+use super::vm::Vm;
+use super::{Action, HttpFilter, Root};
+use crate::ledger::Load;
+
+const EPS: &str = r#""endpoints":[{"address":"127.0.0.1:8001"},{"address":"127.0.0.1:8002"},{"address":"127.0.0.1:8003"}]"#;
+const CHAT: &str = "/v1/chat/completions";
+
+fn root(h: &FakeHost, extra: &str, id: u64) -> Root {
+    let json = format!("{{{EPS}{extra}}}");
+    match Root::configure(h, json.as_bytes(), id) {
+        Ok(r) => r,
+        Err(e) => panic!("{e}"),
+    }
+}
+
+fn vm(h: &FakeHost, extra: &str) -> Rc<Vm> {
+    root(h, extra, 7).vm()
+}
+
+fn chat(system: &str, q: &str) -> Vec<u8> {
+    serde_json::json!({
+        "model": "m",
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": q}],
+        "max_tokens": 4
+    })
+    .to_string()
+    .into_bytes()
+}
+
+fn secret_prompt() -> Vec<u8> {
+    chat(&"TOP-SECRET-PROMPT ".repeat(300), "question")
+}
+
+/// Runs the request side: headers, the body in two chunks, end of stream.
+fn send(h: &FakeHost, vm: &Rc<Vm>, path: &str, body: &[u8]) -> (HttpFilter, Vec<Action>) {
+    h.new_request(path, body);
+    let mut f = HttpFilter::new(Some(vm.clone()));
+    let mut acts = vec![f.on_request_headers(h, body.is_empty())];
+    if !body.is_empty() && acts[0] == Action::Pause {
+        let half = body.len() / 2;
+        acts.push(f.on_request_body(h, half, false));
+        acts.push(f.on_request_body(h, body.len(), true));
+    }
+    (f, acts)
+}
+
+/// Runs a successful response: 200 headers, one body chunk, end of stream.
+fn respond(h: &FakeHost, f: &mut HttpFilter, body: &[u8]) {
+    h.set_response_status(200);
+    assert_eq!(f.on_response_headers(h, false), Action::Continue);
+    *h.response_body.borrow_mut() = body.to_vec();
+    assert_eq!(f.on_response_body(h, body.len(), true), Action::Continue);
+    f.on_log(h);
+}
+
+fn loads(h: &FakeHost, vm: &Vm) -> Vec<Load> {
+    let router = vm.router.borrow();
+    (0..3)
+        .map(|s| router.ledger.load(h, s, h.now.get()).unwrap())
+        .collect()
+}
+
+fn assert_ledger_zero(h: &FakeHost, vm: &Vm) {
+    assert!(
+        loads(h, vm).iter().all(|l| *l == Load::default()),
+        "{:?}",
+        loads(h, vm)
+    );
+}
+
+#[test]
+fn routed_chat_request_sets_the_destination() {
+    let h = FakeHost::new();
+    let vm = vm(&h, "");
+    let (mut f, acts) = send(&h, &vm, CHAT, &chat("system prompt", "hi"));
+    assert_eq!(acts, vec![Action::Pause, Action::Pause, Action::Continue]);
+    let dest = h.header_values(DESTINATION);
+    assert_eq!(dest.len(), 1);
+    let addrs: Vec<&str> = dest[0].split(',').collect();
+    assert_eq!(addrs.len(), 3, "primary and two fallbacks: {dest:?}");
+    assert!(addrs.iter().all(|a| a.starts_with("127.0.0.1:800")));
+    assert_eq!(h.metric("tokenaware_requests_routed"), 1);
+    assert_eq!(h.metric("tokenaware_decisions_cold"), 1);
+    respond(&h, &mut f, b"{}");
+    assert_eq!(h.metric("tokenaware_requests_released"), 1);
+    assert_ledger_zero(&h, &vm);
+}
+
+#[test]
+fn shared_prefix_sticks() {
+    let h = FakeHost::new();
+    let vm = vm(&h, "");
+    let sys = "You are a careful assistant. ".repeat(200);
+    let mut first = None;
+    for q in 0..5 {
+        let (mut f, _) = send(&h, &vm, CHAT, &chat(&sys, &format!("q{q}")));
+        let d = h.header_values(DESTINATION)[0].clone();
+        let primary = d.split(',').next().unwrap().to_string();
+        assert_eq!(first.get_or_insert(primary.clone()), &primary);
+        respond(&h, &mut f, b"x");
+    }
+    assert_eq!(h.metric("tokenaware_decisions_sticky"), 4);
+    assert_eq!(h.histogram("tokenaware_hit_ratio_pct").len(), 5);
+}
+
+#[test]
+fn client_destination_headers_are_stripped_on_every_request() {
+    let h = FakeHost::new();
+    let vm = vm(&h, "");
+    for (path, body) in [
+        (CHAT, chat("s", "q")),
+        ("/v1/models", Vec::new()),
+        (CHAT, b"not json".to_vec()),
+    ] {
+        h.new_request(path, &body);
+        for (k, v) in [
+            (DESTINATION, "10.9.9.9:1"),
+            ("X-Gateway-Destination-Endpoint", "10.9.9.9:2"),
+            (DESTINATION, "10.9.9.9:3"),
+            (DESTINATION_SERVED, "10.9.9.9:4"),
+        ] {
+            h.request_headers
+                .borrow_mut()
+                .push((k.to_string(), v.as_bytes().to_vec()));
+        }
+        let mut f = HttpFilter::new(Some(vm.clone()));
+        if f.on_request_headers(&h, body.is_empty()) == Action::Pause {
+            f.on_request_body(&h, body.len(), true);
+        }
+        assert!(h.header_values(DESTINATION_SERVED).is_empty());
+        let dest = h.header_values(DESTINATION);
+        assert!(dest.iter().all(|d| !d.contains("10.9.9.9")), "{dest:?}");
+        f.on_log(&h);
+    }
+    assert_eq!(h.metric("tokenaware_client_header_stripped"), 3);
+    // Without a configured VM the headers still go.
+    h.new_request(CHAT, b"{}");
+    h.request_headers
+        .borrow_mut()
+        .push((DESTINATION.into(), b"10.9.9.9:1".to_vec()));
+    let mut f = HttpFilter::new(None);
+    assert_eq!(f.on_request_headers(&h, false), Action::Continue);
+    assert!(h.header_values(DESTINATION).is_empty());
+}
+
+#[test]
+fn other_paths_pass_untouched() {
+    let h = FakeHost::new();
+    let vm = vm(&h, "");
+    let (mut f, acts) = send(&h, &vm, "/v1/models", b"{\"model\":\"m\"}");
+    assert_eq!(acts, vec![Action::Continue]);
+    assert!(h.header_values(DESTINATION).is_empty());
+    assert_eq!(f.on_request_body(&h, 13, true), Action::Continue);
+    respond(&h, &mut f, b"{}");
+    assert_eq!(h.metric("tokenaware_requests_routed"), 0);
+    assert_eq!(h.metric("tokenaware_fallback_no_body"), 0);
+}
+
+#[test]
+fn parse_failures_fall_back_and_are_counted() {
+    let h = FakeHost::new();
+    let vm = vm(&h, r#","decisionHeader":true"#);
+    let cases: [(&[u8], &str); 4] = [
+        (b"{not json", "tokenaware_fallback_not_json"),
+        (b"[1,2]", "tokenaware_fallback_not_object"),
+        (br#"{"messages":[]}"#, "tokenaware_fallback_no_model"),
+        (
+            br#"{"model":"m","stream":"yes","messages":[]}"#,
+            "tokenaware_fallback_wrong_type",
+        ),
+    ];
+    for (body, metric) in cases {
+        let (mut f, acts) = send(&h, &vm, CHAT, body);
+        assert_eq!(acts.last(), Some(&Action::Continue));
+        assert!(h.header_values(DESTINATION).is_empty());
+        assert_eq!(h.metric(metric), 1, "{metric}");
+        respond(&h, &mut f, b"{}");
+        let note = h.response_header_value(DECISION).unwrap();
+        assert!(note.starts_with("reason=fallback"), "{note}");
+    }
+    // An inference path without a body.
+    let (_, acts) = send(&h, &vm, CHAT, b"");
+    assert_eq!(acts, vec![Action::Continue]);
+    assert_eq!(h.metric("tokenaware_fallback_no_body"), 1);
+    assert_ledger_zero(&h, &vm);
+}
+
+#[test]
+fn bodies_over_the_limit_pass_unrouted() {
+    let h = FakeHost::new();
+    let vm = vm(&h, r#","maxBodyBytes":1000"#);
+    let big = chat(&"x".repeat(5_000), "q");
+    // Growing past the limit while buffering: stop buffering, continue.
+    h.new_request(CHAT, &big);
+    let mut f = HttpFilter::new(Some(vm.clone()));
+    assert_eq!(f.on_request_headers(&h, false), Action::Pause);
+    assert_eq!(f.on_request_body(&h, 600, false), Action::Pause);
+    assert_eq!(f.on_request_body(&h, 1_200, false), Action::Continue);
+    assert_eq!(f.on_request_body(&h, big.len(), true), Action::Continue);
+    assert!(h.header_values(DESTINATION).is_empty());
+    assert_eq!(h.metric("tokenaware_fallback_too_large"), 1);
+    // A declared content-length over the limit: never paused.
+    h.new_request(CHAT, &big);
+    h.request_headers
+        .borrow_mut()
+        .push(("content-length".into(), big.len().to_string().into_bytes()));
+    let mut f = HttpFilter::new(Some(vm.clone()));
+    assert_eq!(f.on_request_headers(&h, false), Action::Continue);
+    assert_eq!(f.on_request_body(&h, big.len(), true), Action::Continue);
+    assert_eq!(h.metric("tokenaware_fallback_too_large"), 2);
+    f.on_log(&h);
+    assert_ledger_zero(&h, &vm);
+}
+
+#[test]
+fn first_body_byte_releases_prefill_and_the_end_releases_the_request() {
+    let h = FakeHost::new();
+    let vm = vm(&h, "");
+    let (mut f, _) = send(&h, &vm, CHAT, &chat(&"p".repeat(4_000), "q"));
+    let l = loads(&h, &vm);
+    let charged: Vec<&Load> = l.iter().filter(|l| l.requests == 1).collect();
+    assert_eq!(charged.len(), 1);
+    assert!(charged[0].tokens > 0);
+    // Headers are not the first byte: vLLM sends them before prefill ends.
+    h.set_response_status(200);
+    f.on_response_headers(&h, false);
+    assert!(loads(&h, &vm).iter().any(|l| l.tokens > 0));
+    *h.response_body.borrow_mut() = b"data: {}\n\n".to_vec();
+    f.on_response_body(&h, 10, false);
+    let l = loads(&h, &vm);
+    assert!(l.iter().all(|l| l.tokens == 0 && l.prefilling == 0));
+    assert_eq!(l.iter().map(|l| l.requests).sum::<u64>(), 1);
+    f.on_log(&h);
+    f.on_log(&h); // exactly once
+    assert_ledger_zero(&h, &vm);
+    assert_eq!(h.metric("tokenaware_requests_released"), 1);
+    assert_eq!(h.metric("tokenaware_requests_failed_early"), 0);
+}
+
+#[test]
+fn failures_before_the_first_byte_roll_back_the_index() {
+    let h = FakeHost::new();
+    let vm = vm(&h, r#","decisionHeader":true"#);
+    let body = chat(&"shared ".repeat(2_000), "q");
+    for early in ["reset", "5xx"] {
+        let (mut f, _) = send(&h, &vm, CHAT, &body);
+        assert!(h.response_header_value(DECISION).is_none());
+        if early == "5xx" {
+            h.set_response_status(503);
+            f.on_response_headers(&h, false);
+            *h.response_body.borrow_mut() = b"upstream connect error".to_vec();
+            f.on_response_body(&h, 22, true);
+        }
+        f.on_log(&h);
+        assert_ledger_zero(&h, &vm);
+        // Nothing stayed in the index: the next request is cold again.
+        let (mut g, _) = send(&h, &vm, CHAT, &body);
+        respond(&h, &mut g, b"{}");
+        let note = h.response_header_value(DECISION).unwrap();
+        assert!(note.contains("reason=cold"), "{early}: {note}");
+        // Forget that one too, for the next round.
+        let r = vm.router.borrow();
+        for s in 0..3 {
+            r.clear_slot(&h, s).unwrap();
+        }
+    }
+    assert_eq!(h.metric("tokenaware_requests_failed_early"), 2);
+}
+
+#[test]
+fn trailers_end_the_request() {
+    let h = FakeHost::new();
+    let vm = vm(&h, "");
+    let body = chat("s", "q");
+    h.new_request(CHAT, &body);
+    let mut f = HttpFilter::new(Some(vm.clone()));
+    assert_eq!(f.on_request_headers(&h, false), Action::Pause);
+    assert_eq!(f.on_request_body(&h, body.len(), false), Action::Pause);
+    assert_eq!(f.on_request_trailers(&h), Action::Continue);
+    assert_eq!(h.header_values(DESTINATION).len(), 1);
+    respond(&h, &mut f, b"{}");
+    assert_ledger_zero(&h, &vm);
+}
+
+#[test]
+fn host_and_store_failures_fall_back() {
+    let h = FakeHost::new();
+    let vm = vm(&h, "");
+    let body = chat(&"z".repeat(3_000), "q");
+    // The destination cannot be set: charge returned, counted, logged without the prompt.
+    h.new_request(CHAT, &secret_prompt());
+    let mut f = HttpFilter::new(Some(vm.clone()));
+    f.on_request_headers(&h, false);
+    h.headers_locked.set(true);
+    assert_eq!(
+        f.on_request_body(&h, secret_prompt().len(), true),
+        Action::Continue
+    );
+    h.headers_locked.set(false);
+    assert_eq!(h.metric("tokenaware_fallback_internal"), 1);
+    f.on_log(&h);
+    assert_ledger_zero(&h, &vm);
+    // Shared data down.
+    h.new_request(CHAT, &body);
+    let mut f = HttpFilter::new(Some(vm.clone()));
+    f.on_request_headers(&h, false);
+    h.store_down.set(true);
+    assert_eq!(f.on_request_body(&h, body.len(), true), Action::Continue);
+    h.store_down.set(false);
+    assert!(h.header_values(DESTINATION).is_empty());
+    assert_eq!(h.metric("tokenaware_fallback_store"), 1);
+    f.on_log(&h);
+    assert_ledger_zero(&h, &vm);
+    let logs = h.logs.borrow();
+    assert!(!logs.is_empty());
+    assert!(logs.iter().all(|(_, m)| !m.contains("TOP-SECRET")));
+}
+
+#[test]
+fn usage_is_counted_from_the_response_tail() {
+    let h = FakeHost::new();
+    let vm = vm(&h, "");
+    let (mut f, _) = send(&h, &vm, CHAT, &chat("s", "q"));
+    h.set_response_status(200);
+    f.on_response_headers(&h, false);
+    let chunks: [&[u8]; 3] = [
+        b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n",
+        b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":120,\"prompt_tokens_details\":{\"cached_tokens\":64}}}\n\n",
+        b"data: [DONE]\n\n",
+    ];
+    for c in chunks {
+        *h.response_body.borrow_mut() = c.to_vec();
+        f.on_response_body(&h, c.len(), false);
+    }
+    f.on_log(&h);
+    assert_eq!(h.metric("tokenaware_usage_prompt_tokens"), 120);
+    assert_eq!(h.metric("tokenaware_usage_cached_tokens"), 64);
+}
+
+#[test]
+fn debug_path_answers_locally_without_prompt_text() {
+    let h = FakeHost::new();
+    let vm = vm(&h, r#","debugPath":"/debug/tokenaware""#);
+    let (mut f, _) = send(&h, &vm, CHAT, &secret_prompt());
+    h.new_request("/debug/tokenaware", b"");
+    let mut d = HttpFilter::new(Some(vm.clone()));
+    assert_eq!(d.on_request_headers(&h, true), Action::Pause);
+    let sent = h.sent.borrow().clone();
+    assert_eq!(sent.len(), 1);
+    assert_eq!(sent[0].0, 200);
+    let v: serde_json::Value = serde_json::from_slice(&sent[0].1).unwrap();
+    let eps = v["endpoints"].as_array().unwrap();
+    assert_eq!(eps.len(), 3);
+    let active: u64 = eps
+        .iter()
+        .map(|e| e["activeRequests"].as_u64().unwrap())
+        .sum();
+    assert_eq!(active, 1);
+    assert!(!String::from_utf8_lossy(&sent[0].1).contains("TOP-SECRET"));
+    f.on_log(&h);
+    // Off by default: the path is proxied like any other.
+    let vm2 = self::vm(&h, "");
+    h.new_request("/debug/tokenaware", b"");
+    let mut d = HttpFilter::new(Some(vm2));
+    assert_eq!(d.on_request_headers(&h, true), Action::Continue);
+}
+
+#[test]
+fn invalid_config_names_the_field() {
+    let h = FakeHost::new();
+    for (json, field) in [
+        (
+            r#"{"endpoints":[{"address":"nope"}]}"#,
+            "endpoints[0].address",
+        ),
+        (r#"{"affinityThreshold":3}"#, "affinityThreshold"),
+        (
+            r#"{"endpoints":[],"metrics":{"cluster":""}}"#,
+            "metrics.cluster",
+        ),
+    ] {
+        match Root::configure(&h, json.as_bytes(), 1) {
+            Ok(_) => panic!("{json} accepted"),
+            Err(e) => assert!(e.to_string().contains(field), "{e}"),
+        }
+    }
+}
+
+const METRICS: &str = r#","metrics":{"cluster":"models","intervalMs":100,"timeoutMs":50}"#;
+
+#[test]
+fn one_poller_per_process_and_polls_reach_each_endpoint() {
+    let h = FakeHost::new();
+    let mut a = root(&h, METRICS, 1);
+    let mut b = root(&h, METRICS, 2);
+    a.on_tick(&h);
+    b.on_tick(&h);
+    let calls = h.take_dispatched();
+    assert_eq!(calls.len(), 3, "only the lease holder polls");
+    for (c, port) in calls.iter().zip(["8001", "8002", "8003"]) {
+        assert_eq!(c.cluster, "models");
+        assert_eq!(c.timeout_ms, 50);
+        let dest = c.headers.iter().find(|(k, _)| k == DESTINATION).unwrap();
+        assert_eq!(dest.1, format!("127.0.0.1:{port}"));
+    }
+    // Answers: each endpoint reports its own queue; the other VM sees the table.
+    for (c, waiting) in calls.iter().zip([3, 5, 7]) {
+        let text = format!(
+            "vllm:num_requests_waiting{{model_name=\"m\"}} {waiting}\nvllm:num_requests_running 1\nvllm:cache_config_info{{block_size=\"16\",num_gpu_blocks=\"4096\"}} 1\n"
+        );
+        h.set_call_answer(Some(200), text.as_bytes());
+        a.on_call_response(&h, c.token, 3, text.len());
+    }
+    let t = b.vm().table(&h);
+    let waiting: Vec<Option<f64>> = t.endpoints.iter().map(|e| e.waiting).collect();
+    assert_eq!(waiting, vec![Some(3.0), Some(5.0), Some(7.0)]);
+    assert!(t
+        .endpoints
+        .iter()
+        .all(|e| e.capacity_blocks == 4096 * 16 / 64));
+    assert_eq!(h.metric("tokenaware_polls_ok"), 3);
+    // Still in flight: no second poll of the same endpoint.
+    h.now.set(h.now.get() + 200);
+    a.on_tick(&h);
+    assert_eq!(h.take_dispatched().len(), 3);
+    a.on_tick(&h);
+    assert_eq!(h.take_dispatched().len(), 0, "polls still in flight");
+    // The lease expires when its holder stops ticking; then b takes over.
+    h.now.set(h.now.get() + 10_000);
+    b.on_tick(&h);
+    assert_eq!(h.take_dispatched().len(), 3);
+    a.on_tick(&h);
+    assert_eq!(h.take_dispatched().len(), 0);
+    assert!(h.metric(&endpoint_gauge_name(2)) >= 0);
+}
+
+#[test]
+fn failed_polls_take_an_endpoint_out_of_rotation() {
+    let h = FakeHost::new();
+    let mut r = root(&h, METRICS, 1);
+    let vm = r.vm();
+    for round in 0..2 {
+        h.now.set(h.now.get() + 1_000);
+        r.on_tick(&h);
+        for c in h.take_dispatched() {
+            let dead = c
+                .headers
+                .iter()
+                .any(|(k, v)| k == DESTINATION && v.ends_with("8002"));
+            if dead {
+                h.set_call_answer(None, b"");
+                r.on_call_response(&h, c.token, 0, 0);
+            } else {
+                h.set_call_answer(Some(200), b"vllm:num_requests_waiting 0\n");
+                r.on_call_response(&h, c.token, 2, 27);
+            }
+        }
+        let healthy = vm.table(&h).endpoints[1].healthy;
+        assert_eq!(healthy, round == 0, "round {round}");
+    }
+    assert_eq!(h.metric("tokenaware_polls_failed"), 2);
+    for q in 0..10 {
+        let (mut f, _) = send(&h, &vm, CHAT, &chat(&format!("s{q}"), "q"));
+        assert!(!h.header_values(DESTINATION)[0].contains("8002"));
+        respond(&h, &mut f, b"{}");
+    }
+}
+
+#[test]
+fn discovery_reconciles_the_table() {
+    let h = FakeHost::new();
+    let json = r#"{"discovery":{"adminCluster":"admin","modelCluster":"models","intervalMs":100}}"#;
+    let mut r = match Root::configure(&h, json.as_bytes(), 1) {
+        Ok(r) => r,
+        Err(e) => panic!("{e}"),
+    };
+    let vm = r.vm();
+    let (_, acts) = send(&h, &vm, CHAT, &chat("s", "q"));
+    assert_eq!(acts.last(), Some(&Action::Continue));
+    assert_eq!(h.metric("tokenaware_fallback_no_endpoints"), 1);
+    r.on_tick(&h);
+    let calls = h.take_dispatched();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].cluster, "admin");
+    let host = |port: u16, hs: serde_json::Value| serde_json::json!({"address":{"socket_address":{"address":"10.0.0.1","port_value":port}},"health_status":hs});
+    let clusters = serde_json::json!({"cluster_statuses":[
+        {"name":"admin","host_statuses":[host(9901, serde_json::json!({}))]},
+        {"name":"models","host_statuses":[
+            host(80, serde_json::json!({"eds_health_status":"HEALTHY"})),
+            host(81, serde_json::json!({"eds_health_status":"HEALTHY","failed_outlier_check":true})),
+            host(82, serde_json::json!({"eds_health_status":"UNHEALTHY"})),
+            host(83, serde_json::json!({"eds_health_status":"HEALTHY"})),
+        ]}
+    ]})
+    .to_string();
+    h.set_call_answer(Some(200), clusters.as_bytes());
+    r.on_call_response(&h, calls[0].token, 4, clusters.len());
+    assert_eq!(h.metric("tokenaware_discovery_ok"), 1);
+    let t = vm.table(&h);
+    let seen: Vec<(&str, bool)> = t
+        .endpoints
+        .iter()
+        .map(|e| (e.address.as_str(), e.healthy))
+        .collect();
+    assert_eq!(
+        seen,
+        vec![
+            ("10.0.0.1:80", true),
+            ("10.0.0.1:81", false),
+            ("10.0.0.1:82", false),
+            ("10.0.0.1:83", true)
+        ]
+    );
+    for _ in 0..6 {
+        let (mut f, _) = send(&h, &vm, CHAT, &chat("s", "q"));
+        let d = &h.header_values(DESTINATION)[0];
+        assert!(
+            d.starts_with("10.0.0.1:80") || d.starts_with("10.0.0.1:83"),
+            "{d}"
+        );
+        assert!(!d.contains(":81") && !d.contains(":82"));
+        respond(&h, &mut f, b"{}");
+    }
+    // A failed discovery keeps the table.
+    h.now.set(h.now.get() + 1_000);
+    r.on_tick(&h);
+    let calls = h.take_dispatched();
+    h.set_call_answer(Some(503), b"");
+    r.on_call_response(&h, calls[0].token, 1, 0);
+    assert_eq!(h.metric("tokenaware_discovery_failed"), 1);
+    assert_eq!(vm.table(&h).endpoints.len(), 4);
+}
+
+#[test]
+fn two_vms_share_the_tables_and_the_ledger_returns_to_zero() {
+    let h = FakeHost::new();
+    let a = vm(&h, "");
+    let b = root(&h, "", 99).vm();
+    let sys = "Shared system prompt. ".repeat(300);
+    let mut open = Vec::new();
+    let mut primaries = std::collections::BTreeSet::new();
+    for q in 0..8 {
+        let which = if q % 2 == 0 { &a } else { &b };
+        let (f, _) = send(&h, which, CHAT, &chat(&sys, &format!("q{q}")));
+        let d = h.header_values(DESTINATION)[0].clone();
+        primaries.insert(d.split(',').next().unwrap().to_string());
+        open.push(f);
+    }
+    assert_eq!(primaries.len(), 1, "{primaries:?}");
+    for mut f in open {
+        respond(&h, &mut f, b"{}");
+    }
+    assert_eq!(
+        h.metric("tokenaware_requests_routed"),
+        h.metric("tokenaware_requests_released")
+    );
+    assert_ledger_zero(&h, &a);
+}

@@ -1,0 +1,166 @@
+//! What one VM (one Envoy worker, or the main thread) keeps between requests: the config,
+//! the router, its stats ids, and a decoded copy of the endpoint table from shared data,
+//! re-read only when the table's version key changes. Also the debug view of the tables.
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+
+use serde_json::json;
+
+use super::host::{Host, Level};
+use super::stats::Stats;
+use crate::config::Config;
+use crate::endpoints::EndpointTable;
+use crate::router::Router;
+use crate::store::{Cas, SharedStore};
+
+/// Shared-data keys (all under the configured namespace).
+#[derive(Debug, Clone)]
+pub struct Keys {
+    /// The endpoint table, JSON.
+    pub eps: String,
+    /// Bumped after every table write; its CAS is the table's version.
+    pub eps_version: String,
+    /// The poller lease: owner id and expiry.
+    pub lease: String,
+}
+
+impl Keys {
+    pub fn new(namespace: &str) -> Keys {
+        Keys {
+            eps: format!("{namespace}/eps"),
+            eps_version: format!("{namespace}/epsv"),
+            lease: format!("{namespace}/lease"),
+        }
+    }
+}
+
+struct Cached {
+    version: Option<Cas>,
+    table: Rc<EndpointTable>,
+}
+
+pub struct Vm {
+    pub cfg: Config,
+    pub router: RefCell<Router>,
+    pub stats: Stats,
+    pub keys: Keys,
+    /// This VM's id (lease owner, tie rotation seed).
+    pub id: u64,
+    static_table: Rc<EndpointTable>,
+    cached: RefCell<Cached>,
+    errors: Cell<u64>,
+}
+
+impl Vm {
+    pub fn new<H: Host + ?Sized>(h: &H, cfg: Config, id: u64) -> Vm {
+        let static_table = Rc::new(EndpointTable::from_config(&cfg));
+        let mut router = Router::new(cfg.clone());
+        router.set_seq(id);
+        let _ = router.sync_capacities(h, &static_table.endpoints);
+        Vm {
+            keys: Keys::new(&cfg.namespace),
+            cfg,
+            router: RefCell::new(router),
+            stats: Stats::define(h),
+            id,
+            cached: RefCell::new(Cached {
+                version: None,
+                table: static_table.clone(),
+            }),
+            static_table,
+            errors: Cell::new(0),
+        }
+    }
+
+    /// The endpoint table as last written to shared data (the static list until then).
+    /// Decodes only when the version changed.
+    pub fn table<H: Host + ?Sized>(&self, h: &H) -> Rc<EndpointTable> {
+        let Ok(mut cached) = self.cached.try_borrow_mut() else {
+            return self.static_table.clone();
+        };
+        let version = match h.get(&self.keys.eps_version) {
+            Ok((_, v)) => v,
+            Err(_) => return cached.table.clone(),
+        };
+        if version.is_none() || version == cached.version {
+            return cached.table.clone();
+        }
+        if let Some(t) = self.stored_table(h) {
+            cached.table = Rc::new(t);
+            cached.version = version;
+        }
+        cached.table.clone()
+    }
+
+    /// The table in shared data, if any was written.
+    pub fn stored_table<S: SharedStore + ?Sized>(&self, s: &S) -> Option<EndpointTable> {
+        match s.get(&self.keys.eps) {
+            Ok((Some(v), _)) if !v.is_empty() => EndpointTable::from_json(&v),
+            _ => None,
+        }
+    }
+
+    pub fn static_table(&self) -> &EndpointTable {
+        &self.static_table
+    }
+
+    /// Logs an internal error on the request path: the first, then every power of two, so
+    /// a persistent fault cannot flood the log. Never pass request content.
+    pub fn log_error<H: Host + ?Sized>(&self, h: &H, what: &str) {
+        let n = self.errors.get().wrapping_add(1);
+        self.errors.set(n);
+        if n.is_power_of_two() {
+            h.log(
+                Level::Error,
+                &format!("tokenaware: {what} (error #{n} in this VM); request passed unrouted"),
+            );
+        }
+    }
+
+    /// The tables as JSON for the debug path: endpoints, their load and index clock.
+    /// No request content is ever stored, so none can appear here.
+    pub fn debug_json<H: Host + ?Sized>(&self, h: &H) -> Vec<u8> {
+        let now = h.now_ms().unwrap_or(0);
+        let table = self.table(h);
+        let Ok(router) = self.router.try_borrow() else {
+            return b"{\"error\":\"busy\"}".to_vec();
+        };
+        let eps: Vec<serde_json::Value> = table
+            .endpoints
+            .iter()
+            .map(|e| {
+                let load = router.ledger.load(h, e.slot, now).unwrap_or_default();
+                let m = router.index.matched(h, e.slot, &[]).unwrap_or_default();
+                json!({
+                    "slot": e.slot,
+                    "address": e.address,
+                    "healthy": e.healthy,
+                    "capacityBlocks": e.capacity_blocks,
+                    "waiting": e.waiting,
+                    "running": e.running,
+                    "scrapedAtMs": e.scraped_at_ms,
+                    "inflightTokens": load.tokens,
+                    "activeRequests": load.requests,
+                    "prefilling": load.prefilling,
+                    "indexClock": m.clock,
+                    "indexCapacity": m.capacity,
+                })
+            })
+            .collect();
+        let lease = match h.get(&self.keys.lease) {
+            Ok((Some(v), _)) => super::root::Lease::decode(&v),
+            _ => None,
+        };
+        let out = json!({
+            "version": crate::VERSION,
+            "policy": router.policy_name(),
+            "tau": router.params.tau,
+            "nowMs": now,
+            "vm": format!("{:016x}", self.id),
+            "poller": lease.map(|l| format!("{:016x}", l.owner)),
+            "endpoints": eps,
+        });
+        serde_json::to_vec_pretty(&out).unwrap_or_default()
+    }
+}

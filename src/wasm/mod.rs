@@ -1,0 +1,117 @@
+//! The proxy-wasm binding (wasm32 only): the entry point, a `Host` over `hostcalls::*`, and
+//! root/HTTP contexts that only forward to `filter`. Every host status becomes a
+//! `HostError`; the SDK's unwrapping trait helpers are never called.
+
+mod host;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel};
+
+use crate::filter::{self, HttpFilter, Root};
+use host::WasmHost;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    std::panic::set_hook(Box::new(|info| {
+        let _ = hostcalls::log(LogLevel::Critical, &format!("tokenaware panic: {info}"));
+    }));
+    proxy_wasm::set_root_context(|id| Box::new(RootCtx { id, root: None }));
+}}
+
+struct RootCtx {
+    id: u32,
+    root: Option<Root>,
+}
+
+impl Context for RootCtx {
+    fn on_http_call_response(&mut self, token: u32, headers: usize, body: usize, _: usize) {
+        if let Some(r) = self.root.as_mut() {
+            r.on_call_response(&WasmHost, token, headers, body);
+        }
+    }
+}
+
+impl RootContext for RootCtx {
+    fn on_vm_start(&mut self, _: usize) -> bool {
+        let _ = hostcalls::log(
+            LogLevel::Info,
+            &format!("tokenaware {} VM started", crate::VERSION),
+        );
+        true
+    }
+
+    fn on_configure(&mut self, _: usize) -> bool {
+        let bytes = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
+            Ok(b) => b.unwrap_or_default(),
+            Err(_) => Vec::new(),
+        };
+        let nanos = filter::Host::now_ms(&WasmHost).unwrap_or(0);
+        let id = xxhash_rust::xxh3::xxh3_64_with_seed(&nanos.to_le_bytes(), u64::from(self.id))
+            ^ (&bytes as *const Vec<u8> as u64);
+        match Root::configure(&WasmHost, &bytes, id) {
+            Ok(root) => {
+                let period = std::time::Duration::from_millis(root.tick_period_ms());
+                let _ = hostcalls::set_tick_period(period);
+                self.root = Some(root);
+                true
+            }
+            Err(e) => {
+                let _ = hostcalls::log(LogLevel::Critical, &e.to_string());
+                false
+            }
+        }
+    }
+
+    fn on_tick(&mut self) {
+        if let Some(r) = self.root.as_mut() {
+            r.on_tick(&WasmHost);
+        }
+    }
+
+    fn create_http_context(&self, _: u32) -> Option<Box<dyn HttpContext>> {
+        let vm = self.root.as_ref().map(Root::vm);
+        Some(Box::new(HttpCtx(HttpFilter::new(vm))))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+struct HttpCtx(HttpFilter);
+
+fn action(a: filter::Action) -> Action {
+    match a {
+        filter::Action::Continue => Action::Continue,
+        filter::Action::Pause => Action::Pause,
+    }
+}
+
+impl Context for HttpCtx {}
+
+impl HttpContext for HttpCtx {
+    fn on_http_request_headers(&mut self, _: usize, eos: bool) -> Action {
+        action(self.0.on_request_headers(&WasmHost, eos))
+    }
+
+    fn on_http_request_body(&mut self, size: usize, eos: bool) -> Action {
+        action(self.0.on_request_body(&WasmHost, size, eos))
+    }
+
+    fn on_http_request_trailers(&mut self, _: usize) -> Action {
+        action(self.0.on_request_trailers(&WasmHost))
+    }
+
+    fn on_http_response_headers(&mut self, _: usize, eos: bool) -> Action {
+        action(self.0.on_response_headers(&WasmHost, eos))
+    }
+
+    fn on_http_response_body(&mut self, size: usize, eos: bool) -> Action {
+        action(self.0.on_response_body(&WasmHost, size, eos))
+    }
+
+    fn on_log(&mut self) {
+        self.0.on_log(&WasmHost);
+    }
+}

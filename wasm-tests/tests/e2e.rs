@@ -1,0 +1,676 @@
+//! End to end: a real Envoy (`--concurrency 2`) with the release `tokenaware.wasm` in front
+//! of the simulated fleet. Each test starts its own fleet and Envoy on free ports and checks
+//! outcomes only: which endpoint served (`x-fleet-endpoint`), the filter's stats in admin
+//! `/stats` (`wasmcustom.tokenaware_*`) and its debug path.
+//!
+//! Needs the release module (`cargo build -p tokenaware --release --target wasm32-wasip1`;
+//! scripts/test.sh builds it first) and Envoy (scripts/setup.sh). Without Envoy the tests
+//! are skipped unless TOKENAWARE_REQUIRE_ENVOY is set.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use serde_json::{json, Value};
+use wasm_tests::envoy::{envoy_binary, repo_root, Envoy, GatewayConfig};
+use wasm_tests::fleet::{Fleet, FleetConfig, Timing, MODEL};
+
+const CHAT: &str = "/v1/chat/completions";
+const DEBUG: &str = "/debug/tokenaware";
+const DEST: &str = "x-gateway-destination-endpoint";
+/// Every client call is bounded: a hang fails the test instead of stalling it.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(15);
+
+fn wasm_path() -> PathBuf {
+    let p = repo_root().join("target/wasm32-wasip1/release/tokenaware.wasm");
+    assert!(
+        p.is_file(),
+        "{} is missing: run `cargo build -p tokenaware --release --target wasm32-wasip1` first \
+         (scripts/test.sh does)",
+        p.display()
+    );
+    p
+}
+
+fn have_envoy() -> bool {
+    match envoy_binary() {
+        Ok(_) => true,
+        Err(e) if std::env::var_os("TOKENAWARE_REQUIRE_ENVOY").is_none() => {
+            eprintln!("skipping: {e}");
+            false
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+struct Gateway {
+    fleet: Fleet,
+    envoy: Envoy,
+    http: reqwest::Client,
+}
+
+/// Plugin config for the fleet's endpoints: static list, decision header, debug path, plus
+/// `extra` top-level fields (a JSON object's inner text, may be empty).
+fn plugin_config(eps: &[String], extra: &str) -> String {
+    let list: Vec<Value> = eps.iter().map(|a| json!({ "address": a })).collect();
+    let mut v = json!({
+        "endpoints": list,
+        "decisionHeader": true,
+        "debugPath": DEBUG,
+    });
+    if !extra.is_empty() {
+        let more: Value = serde_json::from_str(&format!("{{{extra}}}")).unwrap();
+        for (k, x) in more.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+    }
+    v.to_string()
+}
+
+const POLL: &str =
+    r#""metrics":{"cluster":"models","intervalMs":100,"timeoutMs":500,"staleAfterMs":3000}"#;
+
+async fn start(fleet: FleetConfig, config: impl FnOnce(&[String]) -> String) -> Gateway {
+    let wasm = wasm_path();
+    let fleet = Fleet::start_on_free_ports(fleet).unwrap();
+    let eps = fleet.endpoints();
+    let cfg = GatewayConfig::new(eps.clone()).with_wasm(wasm, config(&eps));
+    let envoy = tokio::task::spawn_blocking(move || Envoy::start(cfg))
+        .await
+        .unwrap()
+        .unwrap();
+    let http = reqwest::Client::builder()
+        .timeout(CLIENT_TIMEOUT)
+        .build()
+        .unwrap();
+    Gateway { fleet, envoy, http }
+}
+
+fn fleet(endpoints: usize, time_factor: f64) -> FleetConfig {
+    FleetConfig {
+        endpoints,
+        timing: Timing {
+            time_factor,
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+fn chat(system: &str, question: &str) -> String {
+    json!({
+        "model": MODEL,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        "max_tokens": 4
+    })
+    .to_string()
+}
+
+/// A long shared system prompt, distinct per `group`.
+fn system(group: usize, bytes: usize) -> String {
+    let unit = format!("Group {group}: you are a meticulous coding assistant. ");
+    unit.repeat(bytes / unit.len() + 1)
+}
+
+struct Answer {
+    status: u16,
+    endpoint: String,
+    decision: String,
+}
+
+impl Gateway {
+    async fn post(&self, path: &str, body: String) -> Answer {
+        let r = self
+            .http
+            .post(self.envoy.url(path))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        answer(r).await
+    }
+
+    fn stat(&self, name: &str) -> i64 {
+        self.envoy
+            .stat(&format!("wasmcustom.{name}"))
+            .unwrap()
+            .unwrap_or_else(|| panic!("stat {name} not found"))
+    }
+
+    fn envoy_stat(&self, name: &str) -> i64 {
+        self.envoy.stat(name).unwrap().unwrap_or(0)
+    }
+
+    async fn debug(&self) -> Value {
+        let r = self.http.get(self.envoy.url(DEBUG)).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        r.json().await.unwrap()
+    }
+
+    /// Polls the debug view until `ok` holds (bounded).
+    async fn debug_until(&self, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let d = self.debug().await;
+            if ok(&d) {
+                return d;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}: {d:#}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    async fn override_metrics(&self, endpoint: &str, text: &str) {
+        let r = self
+            .http
+            .post(format!("http://{endpoint}/fleet/metrics-override"))
+            .body(text.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success());
+    }
+}
+
+async fn answer(r: reqwest::Response) -> Answer {
+    let status = r.status().as_u16();
+    let h = |n: &str| {
+        r.headers()
+            .get(n)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string()
+    };
+    let (endpoint, decision) = (h("x-fleet-endpoint"), h("x-tokenaware-decision"));
+    let _ = r.bytes().await.unwrap();
+    Answer {
+        status,
+        endpoint,
+        decision,
+    }
+}
+
+fn endpoint_of(d: &Value, address: &str) -> Value {
+    d["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["address"] == address)
+        .cloned()
+        .unwrap_or_else(|| panic!("{address} not in {d:#}"))
+}
+
+fn ledger_is_zero(d: &Value) -> bool {
+    d["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|e| e["inflightTokens"] == 0 && e["activeRequests"] == 0 && e["prefilling"] == 0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shared_prefix_lands_on_one_endpoint() {
+    if !have_envoy() {
+        return;
+    }
+    let gw = start(fleet(3, 0.01), |eps| plugin_config(eps, "")).await;
+    let mut by_group: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
+    for q in 0..6 {
+        for g in 0..3 {
+            let a = gw
+                .post(CHAT, chat(&system(g, 40_000), &format!("q{q}")))
+                .await;
+            assert_eq!(a.status, 200);
+            if q > 0 {
+                assert!(a.decision.contains("reason=sticky"), "{}", a.decision);
+            }
+            by_group.entry(g).or_default().insert(a.endpoint);
+        }
+    }
+    for (g, eps) in &by_group {
+        assert_eq!(eps.len(), 1, "group {g} spread over {eps:?}");
+    }
+    assert_eq!(gw.stat("tokenaware_decisions_sticky"), 15);
+    // Streaming: usage comes in the last chunk and is counted.
+    let body = json!({"model": MODEL, "stream": true, "max_tokens": 3,
+        "messages": [{"role": "user", "content": system(0, 40_000)}]});
+    let a = gw.post(CHAT, body.to_string()).await;
+    assert_eq!(a.status, 200);
+    let d = gw.debug_until("released", ledger_is_zero).await;
+    assert_eq!(d["endpoints"].as_array().unwrap().len(), 3);
+    assert!(gw.stat("tokenaware_usage_prompt_tokens") > 10_000 * 18);
+    assert!(gw.stat("tokenaware_usage_cached_tokens") > 0);
+    assert_eq!(
+        gw.stat("tokenaware_requests_routed"),
+        gw.stat("tokenaware_requests_released")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn small_tau_spills_concurrent_load() {
+    if !have_envoy() {
+        return;
+    }
+    // τ of 300 tokens; each request brings ~500 uncached tokens (its own question) on top
+    // of the shared prefix, so a second request in flight on the warm endpoint breaks it.
+    let gw = start(fleet(3, 1.0), |eps| plugin_config(eps, r#""tau":300"#)).await;
+    let sys = system(7, 32_000);
+    let question = |q: usize| format!("question {q}: ").repeat(150);
+    let first = gw.post(CHAT, chat(&sys, &question(100))).await;
+    assert_eq!(first.status, 200);
+    let answers = join_all((0..9).map(|q| gw.post(CHAT, chat(&sys, &question(q))))).await;
+    let served: BTreeSet<&str> = answers.iter().map(|a| a.endpoint.as_str()).collect();
+    assert!(answers.iter().all(|a| a.status == 200));
+    assert!(served.len() >= 2, "no spill: {served:?}");
+    assert!(gw.stat("tokenaware_decisions_spill") >= 1);
+    assert!(gw.stat("tokenaware_tau_breaks") >= 1);
+    gw.debug_until("released", ledger_is_zero).await;
+}
+
+/// One raw HTTP/1.1 request (so header names keep their case and can repeat).
+fn raw(port: u16, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(CLIENT_TIMEOUT)).unwrap();
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    s.write_all(req.as_bytes()).unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).unwrap();
+    let text = String::from_utf8_lossy(&out);
+    let status = text.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let served = text
+        .lines()
+        .find_map(|l| l.strip_prefix("x-fleet-endpoint: "))
+        .unwrap_or("")
+        .trim()
+        .to_string();
+    (status, served)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn client_destination_header_is_ignored() {
+    if !have_envoy() {
+        return;
+    }
+    let gw = start(fleet(3, 0.01), |eps| plugin_config(eps, "")).await;
+    let eps = gw.fleet.endpoints();
+    let sys = system(3, 20_000);
+    let pick = gw.post(CHAT, chat(&sys, "warm")).await.endpoint;
+    let other = eps.iter().find(|e| **e != pick).unwrap().clone();
+    let port = gw.envoy.listen_port();
+    let body = chat(&sys, "again");
+    let tries: [&[(&str, &str)]; 3] = [
+        &[(DEST, &other)],
+        &[(DEST, &other), (DEST, &other)],
+        &[
+            ("X-Gateway-Destination-Endpoint", &other),
+            ("x-GATEWAY-destination-endpoint", &other),
+        ],
+    ];
+    for headers in tries {
+        let (status, served) = tokio::task::spawn_blocking({
+            let (h, b): (Vec<(String, String)>, String) = (
+                headers
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                body.clone(),
+            );
+            move || {
+                let h: Vec<(&str, &str)> =
+                    h.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+                raw(port, "POST", CHAT, &h, &b)
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!(status, 200);
+        assert_eq!(served, pick, "client header {headers:?} chose the upstream");
+    }
+    // Not an inference route: still stripped, so Envoy's round robin picks, not the client.
+    let mut served = BTreeSet::new();
+    for _ in 0..6 {
+        let other = other.clone();
+        let (status, ep) = tokio::task::spawn_blocking(move || {
+            raw(port, "GET", "/v1/models", &[(DEST, &other)], "")
+        })
+        .await
+        .unwrap();
+        assert_eq!(status, 200);
+        served.insert(ep);
+    }
+    assert!(
+        served.len() > 1,
+        "GET /v1/models followed the client header: {served:?}"
+    );
+    assert_eq!(gw.stat("tokenaware_client_header_stripped"), 9);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn malformed_and_huge_bodies_are_served_through_the_fallback() {
+    if !have_envoy() {
+        return;
+    }
+    let gw = start(fleet(3, 0.01), |eps| {
+        plugin_config(eps, r#""maxBodyBytes":65536"#)
+    })
+    .await;
+    // Bodies the filter cannot route but the server serves.
+    let no_model = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let a = gw.post(CHAT, no_model.to_string()).await;
+    assert_eq!(
+        (a.status, a.decision.as_str()),
+        (200, "reason=fallback; why=no_model")
+    );
+    let bad_stream =
+        json!({"model": MODEL, "stream": "yes", "messages": [{"role": "user", "content": "hi"}]});
+    let a = gw.post(CHAT, bad_stream.to_string()).await;
+    assert_eq!(
+        (a.status, a.decision.as_str()),
+        (200, "reason=fallback; why=wrong_type")
+    );
+    // Not JSON at all: the server's own 400 comes back (it was reached), no 5xx, no hang.
+    let a = gw.post(CHAT, "{this is not json".into()).await;
+    assert_eq!(a.status, 400);
+    assert!(!a.endpoint.is_empty());
+    assert_eq!(a.decision, "reason=fallback; why=not_json");
+    // Over maxBodyBytes, under Envoy's 8 MiB buffer: with a content-length ...
+    let huge = chat(&system(1, 300_000), "q");
+    let a = gw.post(CHAT, huge.clone()).await;
+    assert_eq!(
+        (a.status, a.decision.as_str()),
+        (200, "reason=fallback; why=too_large")
+    );
+    // ... and chunked, so the limit trips while buffering.
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = huge
+        .as_bytes()
+        .chunks(16 * 1024)
+        .map(|c| Ok(c.to_vec()))
+        .collect();
+    let r = gw
+        .http
+        .post(gw.envoy.url(CHAT))
+        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+            chunks,
+        )))
+        .send()
+        .await
+        .unwrap();
+    let a = answer(r).await;
+    assert_eq!(
+        (a.status, a.decision.as_str()),
+        (200, "reason=fallback; why=too_large")
+    );
+    for (name, n) in [
+        ("tokenaware_fallback_no_model", 1),
+        ("tokenaware_fallback_wrong_type", 1),
+        ("tokenaware_fallback_not_json", 1),
+        ("tokenaware_fallback_too_large", 2),
+        ("tokenaware_requests_routed", 0),
+    ] {
+        assert_eq!(gw.stat(name), n, "{name}");
+    }
+    assert_eq!(gw.envoy_stat("http.gateway.downstream_rq_5xx"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dead_endpoint_is_avoided() {
+    if !have_envoy() {
+        return;
+    }
+    let dead_fleet = || {
+        let mut f = fleet(3, 0.01);
+        f.dead = vec![1];
+        f
+    };
+    // Without polls the filter cannot know: its picks of the dead endpoint fail over to the
+    // fallbacks it lists in the header (Envoy retries connect failures).
+    let gw = start(dead_fleet(), |eps| plugin_config(eps, "")).await;
+    let dead = gw.fleet.endpoints()[1].clone();
+    let mut picked_dead = 0;
+    for g in 0..20 {
+        let a = gw.post(CHAT, chat(&system(10 + g, 4_000), "q")).await;
+        assert_eq!(a.status, 200);
+        assert_ne!(a.endpoint, dead);
+        picked_dead += usize::from(a.decision.contains(&dead));
+    }
+    assert!(
+        picked_dead > 0,
+        "cold placement never picked the dead endpoint"
+    );
+    assert!(gw.envoy_stat("cluster.models.upstream_rq_retry") >= picked_dead as i64);
+    drop(gw);
+    // With polls it is taken out of rotation.
+    let gw = start(dead_fleet(), |eps| plugin_config(eps, POLL)).await;
+    let dead = gw.fleet.endpoints()[1].clone();
+    gw.debug_until("the dead endpoint out of rotation", |d| {
+        endpoint_of(d, &dead)["healthy"] == false
+    })
+    .await;
+    // Polls keep probing the dead endpoint (connect failures), but no request retries.
+    let retries = gw.envoy_stat("cluster.models.upstream_rq_retry");
+    for g in 0..12 {
+        let a = gw.post(CHAT, chat(&system(100 + g, 4_000), "q")).await;
+        assert_eq!(a.status, 200);
+        assert!(!a.decision.contains(&dead), "{}", a.decision);
+    }
+    assert_eq!(
+        gw.envoy_stat("cluster.models.upstream_rq_retry"),
+        retries,
+        "a request was sent to the dead endpoint and retried"
+    );
+    assert!(gw.stat("tokenaware_polls_failed") >= 2);
+    assert!(gw.stat("tokenaware_polls_ok") >= 4);
+}
+
+fn waiting(n: u32) -> String {
+    format!(
+        "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name=\"{MODEL}\"}} {n}.0\nvllm:num_requests_running{{model_name=\"{MODEL}\"}} 1.0\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn polls_reach_each_endpoint_through_override_host() {
+    if !have_envoy() {
+        return;
+    }
+    let gw = start(fleet(3, 0.01), |eps| plugin_config(eps, POLL)).await;
+    let eps = gw.fleet.endpoints();
+    // Each endpoint reports its own queue length; the poll of endpoint X, sent to the
+    // `models` cluster with `x-gateway-destination-endpoint: X`, must read X's number.
+    for (i, ep) in eps.iter().enumerate() {
+        gw.override_metrics(ep, &waiting(11 * (i as u32 + 1))).await;
+    }
+    let d = gw
+        .debug_until("every endpoint's own scrape", |d| {
+            eps.iter().enumerate().all(|(i, ep)| {
+                endpoint_of(d, ep)["waiting"].as_f64() == Some(11.0 * (i as f64 + 1.0))
+            })
+        })
+        .await;
+    for ep in &eps {
+        assert!(endpoint_of(&d, ep)["scrapedAtMs"].as_u64().unwrap() > 0);
+    }
+    // One poller per Envoy process, not one per VM: three VMs tick (main + 2 workers), but
+    // polls grow by about one per endpoint and interval.
+    let before = gw.stat("tokenaware_polls_ok");
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let per_second = gw.stat("tokenaware_polls_ok") - before;
+    assert!(
+        (15..=40).contains(&per_second),
+        "{per_second} polls in 1 s for 3 endpoints every 100 ms"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn polled_metrics_move_load_off_a_busy_endpoint() {
+    if !have_envoy() {
+        return;
+    }
+    let gw = start(fleet(3, 0.01), |eps| {
+        plugin_config(eps, &format!("{POLL},\"tau\":50000"))
+    })
+    .await;
+    let sys = system(5, 40_000);
+    let warm = gw.post(CHAT, chat(&sys, "warm")).await.endpoint;
+    let a = gw.post(CHAT, chat(&sys, "again")).await;
+    assert_eq!(a.endpoint, warm);
+    assert!(a.decision.contains("reason=sticky"));
+    // The warm endpoint reports a long queue (as if other gateways filled it).
+    gw.override_metrics(&warm, &waiting(500)).await;
+    gw.debug_until("the queue scraped", |d| {
+        endpoint_of(d, &warm)["waiting"].as_f64() == Some(500.0)
+    })
+    .await;
+    let a = gw.post(CHAT, chat(&sys, "busy")).await;
+    assert_eq!(a.status, 200);
+    assert_ne!(
+        a.endpoint, warm,
+        "still sent to the busy endpoint: {}",
+        a.decision
+    );
+    assert!(a.decision.contains("reason=spill"), "{}", a.decision);
+    // Queue gone: back to the warm endpoint.
+    gw.override_metrics(&warm, "").await;
+    gw.debug_until("the queue cleared", |d| {
+        endpoint_of(d, &warm)["waiting"].as_f64() == Some(0.0)
+    })
+    .await;
+    // The spill made a second warm replica: the prefix now sticks to one of the two.
+    let spilled = a.endpoint;
+    let a = gw.post(CHAT, chat(&sys, "calm")).await;
+    assert!(a.decision.contains("reason=sticky"), "{}", a.decision);
+    assert!(
+        a.endpoint == warm || a.endpoint == spilled,
+        "{}",
+        a.decision
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_workers_share_the_tables() {
+    if !have_envoy() {
+        return;
+    }
+    let gw = start(fleet(3, 0.05), |eps| plugin_config(eps, "")).await;
+    assert_eq!(gw.envoy.config().concurrency, 2);
+    // A new connection per request, so both workers serve requests.
+    let fresh = reqwest::Client::builder()
+        .timeout(CLIENT_TIMEOUT)
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    let url = gw.envoy.url(CHAT);
+    let groups = 4;
+    for g in 0..groups {
+        assert_eq!(
+            gw.post(CHAT, chat(&system(20 + g, 24_000), "warm"))
+                .await
+                .status,
+            200
+        );
+    }
+    let reqs = (0..groups * 10).map(|i| {
+        let (fresh, url) = (fresh.clone(), url.clone());
+        let body = chat(&system(20 + i % groups, 24_000), &format!("q{i}"));
+        async move {
+            let r = fresh.post(url).body(body).send().await.unwrap();
+            (i % groups, answer(r).await)
+        }
+    });
+    let handles: Vec<_> = reqs.map(tokio::spawn).collect();
+    let mut by_group: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
+    for h in handles {
+        let (g, a) = h.await.unwrap();
+        assert_eq!(a.status, 200);
+        by_group.entry(g).or_default().insert(a.endpoint);
+    }
+    for (g, eps) in &by_group {
+        assert_eq!(eps.len(), 1, "group {g} spread over {eps:?}");
+    }
+    // Both workers took part, and every dispatch was released.
+    let workers = (0..2)
+        .map(|w| {
+            gw.envoy_stat(&format!(
+                "listener.127.0.0.1_{}.worker_{w}.downstream_cx_total",
+                gw.envoy.listen_port()
+            ))
+        })
+        .collect::<Vec<_>>();
+    assert!(
+        workers.iter().all(|n| *n > 0),
+        "connections per worker: {workers:?}"
+    );
+    gw.debug_until("the ledger back to zero", ledger_is_zero)
+        .await;
+    assert_eq!(gw.stat("tokenaware_requests_routed"), 44);
+    assert_eq!(gw.stat("tokenaware_requests_released"), 44);
+    assert_eq!(gw.stat("tokenaware_release_errors"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn discovery_from_envoy_admin() {
+    if !have_envoy() {
+        return;
+    }
+    let gw = start(fleet(3, 0.01), |_| {
+        json!({
+            "discovery": {"adminCluster": "admin", "modelCluster": "models", "intervalMs": 200},
+            "decisionHeader": true,
+            "debugPath": DEBUG,
+        })
+        .to_string()
+    })
+    .await;
+    let eps: BTreeSet<String> = gw.fleet.endpoints().into_iter().collect();
+    let d = gw
+        .debug_until("three endpoints discovered", |d| {
+            d["endpoints"].as_array().unwrap().len() == 3
+        })
+        .await;
+    let found: BTreeSet<String> = d["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["address"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(found, eps);
+    let sys = system(30, 20_000);
+    let first = gw.post(CHAT, chat(&sys, "a")).await;
+    assert!(first.decision.contains("reason=cold"), "{}", first.decision);
+    let again = gw.post(CHAT, chat(&sys, "b")).await;
+    assert_eq!(again.endpoint, first.endpoint);
+    assert!(gw.stat("tokenaware_discovery_ok") >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn invalid_plugin_config_is_refused_and_the_log_names_the_field() {
+    if !have_envoy() {
+        return;
+    }
+    let wasm = wasm_path();
+    let fleet = Fleet::start_on_free_ports(fleet(1, 0.01)).unwrap();
+    let cfg = GatewayConfig::new(fleet.endpoints()).with_wasm(
+        wasm,
+        r#"{"endpoints":[{"address":"127.0.0.1:1"}],"affinityThreshold":7}"#,
+    );
+    let r = tokio::task::spawn_blocking(move || Envoy::start(cfg))
+        .await
+        .unwrap();
+    let Err(e) = r else {
+        panic!("Envoy started with an invalid plugin config");
+    };
+    let e = format!("{e:#}");
+    assert!(e.contains("exited early"), "{e}");
+    assert!(e.contains("field `affinityThreshold`"), "{e}");
+}
