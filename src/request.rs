@@ -128,10 +128,18 @@ pub fn parse(
     if body.len() > limits.max_body_bytes {
         return Err(ParseError::TooLarge);
     }
-    if nesting_exceeds(body, limits.max_depth) {
+    // serde_json stops at 128 levels with an error (no stack overflow); the tree walk then
+    // applies the configured depth. Both cost nothing per byte, unlike a pre-scan.
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        if e.to_string().starts_with("recursion limit exceeded") {
+            ParseError::TooDeep
+        } else {
+            ParseError::NotJson
+        }
+    })?;
+    if deeper_than(&value, limits.max_depth) {
         return Err(ParseError::TooDeep);
     }
-    let value: Value = serde_json::from_slice(body).map_err(|_| ParseError::NotJson)?;
     let Value::Object(obj) = value else {
         return Err(ParseError::NotObject);
     };
@@ -164,33 +172,14 @@ pub fn parse(
     })
 }
 
-/// True when `[`/`{` nesting outside strings goes beyond `max_depth`. Runs before serde_json so
-/// absurdly deep bodies are rejected without recursion.
-fn nesting_exceeds(body: &[u8], max_depth: usize) -> bool {
-    let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
-    for &b in body {
-        if in_string {
-            match (escaped, b) {
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_string = false,
-                _ => {}
-            }
-            continue;
-        }
-        match b {
-            b'"' => in_string = true,
-            b'[' | b'{' => {
-                depth += 1;
-                if depth > max_depth {
-                    return true;
-                }
-            }
-            b']' | b'}' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
+/// True when arrays and objects nest more than `max_depth` levels.
+fn deeper_than(v: &Value, max_depth: usize) -> bool {
+    let below = |c: &Value| max_depth == 0 || deeper_than(c, max_depth - 1);
+    match v {
+        Value::Array(a) => a.iter().any(below),
+        Value::Object(o) => o.values().any(below),
+        _ => false,
     }
-    false
 }
 
 /// A string field; null counts as absent.
