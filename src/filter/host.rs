@@ -65,6 +65,8 @@ pub trait Host: SharedStore {
     fn remove_request_header(&self, name: &str) -> Result<(), HostError>;
     fn response_header(&self, name: &str) -> Result<Option<Vec<u8>>, HostError>;
     fn set_response_header(&self, name: &str, value: &str) -> Result<(), HostError>;
+    /// The `ip:port` of the upstream host that answered (Envoy's `upstream.address`).
+    fn upstream_address(&self) -> Result<Option<Vec<u8>>, HostError>;
     /// Bytes `start..start + len` of the request body the host holds (buffered so far).
     fn request_body(&self, start: usize, len: usize) -> Result<Vec<u8>, HostError>;
     /// Bytes of the current response body chunk.

@@ -153,10 +153,35 @@ impl HttpFilter {
             .unwrap_or(0);
         if status >= 500 || status == 0 {
             self.failed_early = true;
-        } else if end_of_stream {
-            self.first_byte(h);
+        } else {
+            self.check_served_by(h);
+            if end_of_stream {
+                self.first_byte(h);
+            }
         }
         Action::Continue
+    }
+
+    /// When Envoy retried on a fallback, the picked endpoint never saw the prompt: undo its
+    /// index insert and return the charge now (the request is not counted against the
+    /// endpoint that did answer; its prefix is learned when it is picked).
+    fn check_served_by<H: Host>(&mut self, h: &H) {
+        let (Some(routed), Some(vm)) = (self.routed.as_mut(), self.vm.as_ref()) else {
+            return;
+        };
+        let Ok(Some(served)) = h.upstream_address() else {
+            return;
+        };
+        let picked = routed.addresses.first().map(String::as_bytes);
+        if picked.is_none() || picked == Some(served.as_slice()) {
+            return;
+        }
+        vm.stats.inc(h, Counter::ServedByFallback);
+        if let Ok(r) = vm.router.try_borrow() {
+            if r.finish(h, routed, Outcome::FailedEarly).is_err() {
+                vm.stats.inc(h, Counter::ReleaseErrors);
+            }
+        }
     }
 
     pub fn on_response_body<H: Host>(

@@ -83,6 +83,9 @@ pub enum Counter {
     /// Routed requests that failed before the first response byte (index insert undone).
     FailedEarly,
     TauBreaks,
+    /// Routed requests answered by another endpoint than the picked one (Envoy retried on a
+    /// fallback): the pick's index insert is undone.
+    ServedByFallback,
     /// Requests that came with a client-sent destination header (removed).
     ClientHeaderStripped,
     PollsOk,
@@ -96,11 +99,12 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 12] = [
+    pub const ALL: [Counter; 13] = [
         Counter::Routed,
         Counter::Released,
         Counter::FailedEarly,
         Counter::TauBreaks,
+        Counter::ServedByFallback,
         Counter::ClientHeaderStripped,
         Counter::PollsOk,
         Counter::PollsFailed,
@@ -117,6 +121,7 @@ impl Counter {
             Counter::Released => "tokenaware_requests_released",
             Counter::FailedEarly => "tokenaware_requests_failed_early",
             Counter::TauBreaks => "tokenaware_tau_breaks",
+            Counter::ServedByFallback => "tokenaware_served_by_fallback",
             Counter::ClientHeaderStripped => "tokenaware_client_header_stripped",
             Counter::PollsOk => "tokenaware_polls_ok",
             Counter::PollsFailed => "tokenaware_polls_failed",

@@ -26,6 +26,8 @@ pub struct FakeHost {
     pub request_body: RefCell<Vec<u8>>,
     pub response_body: RefCell<Vec<u8>>,
     pub now: Cell<u64>,
+    /// `upstream.address` of the answer, when set.
+    pub upstream: RefCell<Option<String>>,
     pub logs: RefCell<Vec<(Level, String)>>,
     metrics: RefCell<Vec<Metric>>,
     pub sent: RefCell<Vec<(u32, Vec<u8>)>>,
@@ -195,6 +197,14 @@ impl Host for FakeHost {
     fn set_response_header(&self, name: &str, value: &str) -> Result<(), HostError> {
         self.put(&self.response_headers, name, value);
         Ok(())
+    }
+
+    fn upstream_address(&self) -> Result<Option<Vec<u8>>, HostError> {
+        Ok(self
+            .upstream
+            .borrow()
+            .as_ref()
+            .map(|u| u.as_bytes().to_vec()))
     }
 
     fn request_body(&self, start: usize, len: usize) -> Result<Vec<u8>, HostError> {

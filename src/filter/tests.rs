@@ -564,3 +564,38 @@ fn two_vms_share_the_tables_and_the_ledger_returns_to_zero() {
     );
     assert_ledger_zero(&h, &a);
 }
+
+#[test]
+fn an_answer_from_a_fallback_undoes_the_pick() {
+    let h = FakeHost::new();
+    let vm = vm(&h, r#","decisionHeader":true"#);
+    let body = chat(&"prefix ".repeat(2_000), "q");
+    let (mut f, _) = send(&h, &vm, CHAT, &body);
+    let dest = h.header_values(DESTINATION)[0].clone();
+    let fallback = dest.split(',').nth(1).unwrap().to_string();
+    *h.upstream.borrow_mut() = Some(fallback);
+    respond(&h, &mut f, b"{}");
+    assert_eq!(h.metric("tokenaware_served_by_fallback"), 1);
+    assert_eq!(h.metric("tokenaware_requests_released"), 1);
+    assert_ledger_zero(&h, &vm);
+    // The picked endpoint was not recorded as holding the prefix.
+    *h.upstream.borrow_mut() = None;
+    let (mut g, _) = send(&h, &vm, CHAT, &body);
+    respond(&h, &mut g, b"{}");
+    let note = h.response_header_value(DECISION).unwrap();
+    assert!(note.contains("reason=cold"), "{note}");
+    // Answered by the picked endpoint: nothing undone.
+    let (mut k, _) = send(&h, &vm, CHAT, &body);
+    let picked = h.header_values(DESTINATION)[0]
+        .split(',')
+        .next()
+        .unwrap()
+        .to_string();
+    *h.upstream.borrow_mut() = Some(picked);
+    respond(&h, &mut k, b"{}");
+    assert!(h
+        .response_header_value(DECISION)
+        .unwrap()
+        .contains("reason=sticky"));
+    assert_eq!(h.metric("tokenaware_served_by_fallback"), 1);
+}

@@ -56,6 +56,10 @@ impl Host for WasmHost {
         hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value)).map_err(err)
     }
 
+    fn upstream_address(&self) -> Result<Option<Vec<u8>>, HostError> {
+        hostcalls::get_property(vec!["upstream", "address"]).map_err(err)
+    }
+
     fn request_body(&self, start: usize, len: usize) -> Result<Vec<u8>, HostError> {
         hostcalls::get_buffer(BufferType::HttpRequestBody, start, len)
             .map(Option::unwrap_or_default)

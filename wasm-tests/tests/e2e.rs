@@ -449,6 +449,8 @@ async fn dead_endpoint_is_avoided() {
         "cold placement never picked the dead endpoint"
     );
     assert!(gw.envoy_stat("cluster.models.upstream_rq_retry") >= picked_dead as i64);
+    // The filter saw who answered and did not record the dead endpoint as warm.
+    assert_eq!(gw.stat("tokenaware_served_by_fallback"), picked_dead as i64);
     drop(gw);
     // With polls it is taken out of rotation.
     let gw = start(dead_fleet(), |eps| plugin_config(eps, POLL)).await;
