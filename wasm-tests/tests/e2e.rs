@@ -621,6 +621,60 @@ async fn two_workers_share_the_tables() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn client_resets_release_the_ledger() {
+    if !have_envoy() {
+        return;
+    }
+    // Half real time: a 40k-token cold prompt prefills for ~1 s, 400 tokens decode for 1 s.
+    let gw = start(fleet(3, 0.5), |eps| plugin_config(eps, "")).await;
+    let port = gw.envoy.listen_port();
+    let stream = |g: usize, max_tokens: u32| {
+        json!({"model": MODEL, "stream": true, "max_tokens": max_tokens,
+            "messages": [{"role": "user", "content": system(40 + g, 160_000)}]})
+        .to_string()
+    };
+    // Gone while the prompt is still queued or prefilling (before any response byte), and
+    // gone in the middle of the streamed answer.
+    let (early, late) = (stream(0, 400), stream(1, 400));
+    let warm = gw.post(CHAT, stream(1, 1)).await;
+    assert_eq!(warm.status, 200);
+    tokio::task::spawn_blocking(move || {
+        let send = |body: &str| {
+            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            s.set_read_timeout(Some(CLIENT_TIMEOUT)).unwrap();
+            let req = format!(
+                "POST {CHAT} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            s.write_all(req.as_bytes()).unwrap();
+            s
+        };
+        let s = send(&early);
+        std::thread::sleep(Duration::from_millis(300));
+        drop(s);
+        let mut s = send(&late);
+        let mut buf = [0u8; 4096];
+        let mut seen = Vec::new();
+        while !String::from_utf8_lossy(&seen).contains("data: ") {
+            let n = s.read(&mut buf).unwrap();
+            assert!(n > 0, "closed before the first chunk");
+            seen.extend_from_slice(&buf[..n]);
+        }
+        drop(s);
+    })
+    .await
+    .unwrap();
+    let d = gw
+        .debug_until("the ledger back to zero", ledger_is_zero)
+        .await;
+    assert!(d["endpoints"].as_array().unwrap().len() == 3);
+    assert_eq!(gw.stat("tokenaware_requests_routed"), 3);
+    assert_eq!(gw.stat("tokenaware_requests_released"), 3);
+    // The one reset before its first byte rolled its index insert back.
+    assert_eq!(gw.stat("tokenaware_requests_failed_early"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn discovery_from_envoy_admin() {
     if !have_envoy() {
         return;
