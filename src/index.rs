@@ -63,6 +63,9 @@ pub struct Match {
     pub capacity: u64,
     /// Distinct prefixes (by first block) the endpoint is believed to hold.
     pub heads: u32,
+    /// The prompt's first block is among the endpoint's recent prefix heads, live or not: a
+    /// prefix the index has aged out may still sit in the server's cache.
+    pub recalled: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -157,12 +160,15 @@ impl AffinityIndex {
         slot: u16,
         chain: &[u64],
     ) -> Result<Match, StoreError> {
-        let h = self.header(s, slot)?;
+        let (v, _) = s.get(&self.header_key(slot))?;
+        let v = v.unwrap_or_default();
+        let h = parse_header(&v);
         let mut m = Match {
             blocks: 0,
             clock: h.clock,
             capacity: h.capacity,
             heads: h.heads,
+            recalled: chain.first().is_some_and(|&head| recalls(&v, head)),
         };
         if chain.is_empty() || h.capacity == 0 {
             return Ok(m);
@@ -445,6 +451,10 @@ fn parse_header(b: &[u8]) -> Header {
         })
         .count() as u32;
     h
+}
+
+fn recalls(b: &[u8], head: u64) -> bool {
+    (0..HEADS).any(|i| read_u64(b, HEADS_AT + 16 * i) == head)
 }
 
 /// Records that prefix `head` was stamped in `epoch`: its own record, else the oldest.

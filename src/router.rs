@@ -221,6 +221,7 @@ impl Router {
                     capacity: m.capacity,
                     heads: m.heads,
                     work_per_s,
+                    recalled: m.recalled,
                 })
             })
             .collect()

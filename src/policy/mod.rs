@@ -36,6 +36,8 @@ pub struct Candidate {
     pub heads: u32,
     /// Uncached tokens sent to it per second, recently (its prefill utilisation × R_peak).
     pub work_per_s: u64,
+    /// It held this prompt's prefix recently, though the index has aged it out.
+    pub recalled: bool,
 }
 
 /// The request as the policies see it.

@@ -36,6 +36,7 @@ pub fn fleet(spec: &[(usize, u64)]) -> Vec<Candidate> {
                 prefilling: tokens / 1_000,
             },
             work_per_s: 0,
+            recalled: false,
             clock: 0,
             capacity: 1_000,
             heads: 0,

@@ -65,6 +65,14 @@ impl Tokenaware {
         };
         let min = (0..fleet.len()).map(key).min().unwrap_or(0);
         let slack = (ask.tokens as f64 * COLD_BAND) as u64;
+        // An endpoint that held this prefix recently probably still has it: going back costs
+        // at most one more held prefix than the best fresh choice.
+        let recalled = (0..fleet.len())
+            .filter(|&i| fleet[i].recalled && key(i) <= min + slack + ask.tokens)
+            .min_by_key(|&i| key(i));
+        if recalled.is_some() {
+            return recalled;
+        }
         let near: Vec<usize> = (0..fleet.len())
             .filter(|&i| key(i) <= min + slack)
             .collect();
