@@ -10,12 +10,12 @@
 
 use std::rc::Rc;
 
-use super::host::Host;
+use super::host::{Host, HostError};
 use super::stats::{Counter, Fallback};
 use super::usage;
 use super::vm::Vm;
 use crate::request::{parse, ApiKind, ParseLimits};
-use crate::router::{Outcome, Routed};
+use crate::router::{Outcome, RouteError, Routed};
 
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 pub const DESTINATION_SERVED: &str = "x-gateway-destination-endpoint-served";
@@ -247,55 +247,10 @@ impl HttpFilter {
     /// End of the request body: parse, route, set the destination.
     fn decide<H: Host>(&mut self, h: &H, vm: &Vm, kind: ApiKind) -> Action {
         self.phase = Phase::Pass;
-        if self.body_size == 0 {
-            return self.fallback(h, vm, Fallback::NoBody);
-        }
-        let body = match h.request_body(0, self.body_size) {
-            Ok(b) => b,
-            Err(e) => {
-                vm.log_error(h, &format!("reading the request body: {}", e.as_str()));
-                return self.fallback(h, vm, Fallback::Internal);
-            }
-        };
-        let limits = ParseLimits {
-            max_body_bytes: usize::try_from(vm.cfg.max_body_bytes).unwrap_or(usize::MAX),
-            ..ParseLimits::default()
-        };
-        let req = match parse(kind, &body, &limits) {
+        let routed = match self.route(h, vm, kind) {
             Ok(r) => r,
-            Err(e) => return self.fallback(h, vm, Fallback::from_parse(e)),
+            Err(why) => return self.fallback(h, vm, why),
         };
-        drop(body);
-        let Ok(now) = h.now_ms() else {
-            vm.log_error(h, "reading the clock");
-            return self.fallback(h, vm, Fallback::Internal);
-        };
-        let table = vm.table(h);
-        let Ok(mut router) = vm.router.try_borrow_mut() else {
-            vm.log_error(h, "router busy");
-            return self.fallback(h, vm, Fallback::Internal);
-        };
-        let chain = router.hash(&req);
-        let tokens = router.prompt_tokens(&req);
-        drop(req);
-        let mut routed = match router.route(h, &table.endpoints, &chain, tokens, now) {
-            Ok(r) => r,
-            Err(e) => {
-                drop(router);
-                let why = match e {
-                    crate::router::RouteError::NoEndpoints => Fallback::NoEndpoints,
-                    crate::router::RouteError::Store => Fallback::Store,
-                };
-                return self.fallback(h, vm, why);
-            }
-        };
-        if let Err(e) = h.set_request_header(DESTINATION, &routed.addresses.join(",")) {
-            let _ = router.finish(h, &mut routed, Outcome::FailedEarly);
-            drop(router);
-            vm.log_error(h, &format!("setting the destination: {}", e.as_str()));
-            return self.fallback(h, vm, Fallback::Internal);
-        }
-        drop(router);
         let d = &routed.decision;
         vm.stats.inc(h, Counter::Routed);
         vm.stats.decision(h, d.reason);
@@ -315,6 +270,47 @@ impl HttpFilter {
         }
         self.routed = Some(routed);
         Action::Continue
+    }
+
+    /// Reads and parses the body, picks, charges the tables and sets the header; on any
+    /// failure nothing stays charged.
+    fn route<H: Host>(&self, h: &H, vm: &Vm, kind: ApiKind) -> Result<Routed, Fallback> {
+        if self.body_size == 0 {
+            return Err(Fallback::NoBody);
+        }
+        let internal = |what: &str, e: HostError| {
+            vm.log_error(h, &format!("{what}: {}", e.as_str()));
+            Fallback::Internal
+        };
+        let body = h
+            .request_body(0, self.body_size)
+            .map_err(|e| internal("reading the request body", e))?;
+        let limits = ParseLimits {
+            max_body_bytes: usize::try_from(vm.cfg.max_body_bytes).unwrap_or(usize::MAX),
+            ..ParseLimits::default()
+        };
+        let req = parse(kind, &body, &limits).map_err(Fallback::from_parse)?;
+        drop(body);
+        let now = h.now_ms().map_err(|e| internal("reading the clock", e))?;
+        let table = vm.table(h);
+        let mut router = vm
+            .router
+            .try_borrow_mut()
+            .map_err(|_| internal("router", HostError::Internal))?;
+        let chain = router.hash(&req);
+        let tokens = router.prompt_tokens(&req);
+        drop(req);
+        let mut routed = router
+            .route(h, &table.endpoints, &chain, tokens, now)
+            .map_err(|e| match e {
+                RouteError::NoEndpoints => Fallback::NoEndpoints,
+                RouteError::Store => Fallback::Store,
+            })?;
+        if let Err(e) = h.set_request_header(DESTINATION, &routed.addresses.join(",")) {
+            let _ = router.finish(h, &mut routed, Outcome::FailedEarly);
+            return Err(internal("setting the destination", e));
+        }
+        Ok(routed)
     }
 
     fn fallback<H: Host>(&mut self, h: &H, vm: &Vm, why: Fallback) -> Action {

@@ -112,49 +112,64 @@ impl Root {
             return;
         }
         self.expire_calls(now);
-        if let Some(d) = self.vm.cfg.discovery.clone() {
-            let busy = self.calls.values().any(|(c, _)| *c == Call::Discovery);
-            if now >= self.next_discovery_ms && !busy {
-                self.next_discovery_ms = now + d.interval_ms;
-                let hdrs = [
-                    (":method", "GET"),
-                    (":path", "/clusters?format=json"),
-                    (":authority", "envoy-admin"),
-                ];
-                match h.dispatch(&d.admin_cluster, &hdrs, d.interval_ms.clamp(100, 5_000)) {
-                    Ok(token) => {
-                        self.calls.insert(token, (Call::Discovery, now));
-                    }
-                    Err(_) => self.vm.stats.inc(h, Counter::DiscoveryFailed),
-                }
-            }
-        }
-        if let Some(m) = self.vm.cfg.metrics.clone() {
-            if now >= self.next_metrics_ms {
-                self.next_metrics_ms = now + m.interval_ms;
-                let table = self.vm.table(h);
-                for e in &table.endpoints {
-                    if self.polling.contains(&e.address) {
-                        continue;
-                    }
-                    let hdrs = [
-                        (":method", "GET"),
-                        (":path", m.path.as_str()),
-                        (":authority", e.address.as_str()),
-                        (DESTINATION, e.address.as_str()),
-                    ];
-                    match h.dispatch(&m.cluster, &hdrs, m.timeout_ms) {
-                        Ok(token) => {
-                            self.calls
-                                .insert(token, (Call::Metrics(e.address.clone()), now));
-                            self.polling.insert(e.address.clone());
-                        }
-                        Err(_) => self.poll_failed(h, &e.address),
-                    }
-                }
-            }
-        }
+        self.discover(h, now);
+        self.poll_metrics(h, now);
         self.record_gauges(h, now);
+    }
+
+    /// Asks Envoy's admin for the model cluster's hosts, when due and none is in flight.
+    fn discover<H: Host>(&mut self, h: &H, now: u64) {
+        let Some(d) = self.vm.cfg.discovery.as_ref() else {
+            return;
+        };
+        let busy = self.calls.values().any(|(c, _)| *c == Call::Discovery);
+        if now < self.next_discovery_ms || busy {
+            return;
+        }
+        self.next_discovery_ms = now + d.interval_ms;
+        let hdrs = [
+            (":method", "GET"),
+            (":path", "/clusters?format=json"),
+            (":authority", "envoy-admin"),
+        ];
+        match h.dispatch(&d.admin_cluster, &hdrs, d.interval_ms.clamp(100, 5_000)) {
+            Ok(token) => {
+                self.calls.insert(token, (Call::Discovery, now));
+            }
+            Err(_) => self.vm.stats.inc(h, Counter::DiscoveryFailed),
+        }
+    }
+
+    /// Polls every endpoint's metrics through the model cluster, pinned to that endpoint by
+    /// the override_host header; at most one poll in flight per endpoint.
+    fn poll_metrics<H: Host>(&mut self, h: &H, now: u64) {
+        let Some(m) = self.vm.cfg.metrics.clone() else {
+            return;
+        };
+        if now < self.next_metrics_ms {
+            return;
+        }
+        self.next_metrics_ms = now + m.interval_ms;
+        let table = self.vm.table(h);
+        for e in &table.endpoints {
+            if self.polling.contains(&e.address) {
+                continue;
+            }
+            let hdrs = [
+                (":method", "GET"),
+                (":path", m.path.as_str()),
+                (":authority", e.address.as_str()),
+                (DESTINATION, e.address.as_str()),
+            ];
+            match h.dispatch(&m.cluster, &hdrs, m.timeout_ms) {
+                Ok(token) => {
+                    self.calls
+                        .insert(token, (Call::Metrics(e.address.clone()), now));
+                    self.polling.insert(e.address.clone());
+                }
+                Err(_) => self.poll_failed(h, &e.address),
+            }
+        }
     }
 
     /// The answer to a call this root made; `num_headers == 0` means it failed (timeout,
