@@ -227,6 +227,7 @@ impl HttpFilter {
         if let Some(u) = usage::scan(&self.tail) {
             vm.stats.add(h, Counter::UsagePromptTokens, u.prompt_tokens);
             vm.stats.add(h, Counter::UsageCachedTokens, u.cached_tokens);
+            vm.stats.token_estimate(h, u.prompt_tokens, routed.tokens);
         }
     }
 

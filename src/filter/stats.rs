@@ -139,6 +139,9 @@ impl Counter {
 }
 
 pub const HIT_RATIO: &str = "tokenaware_hit_ratio_pct";
+/// Served prompt tokens (`usage.prompt_tokens`) per 100 estimated ones: how far
+/// `bytesPerToken` is off for this traffic (100 = exact; 125 = the estimate is 20 % short).
+pub const TOKEN_ESTIMATE: &str = "tokenaware_prompt_tokens_per_100_estimated";
 
 /// Name of the per-endpoint in-flight tokens gauge.
 pub fn endpoint_gauge_name(slot: u16) -> String {
@@ -152,6 +155,7 @@ pub struct Stats {
     fallbacks: [Option<u32>; Fallback::ALL.len()],
     counters: [Option<u32>; Counter::ALL.len()],
     hit_ratio: Option<u32>,
+    token_estimate: Option<u32>,
 }
 
 impl Stats {
@@ -177,6 +181,7 @@ impl Stats {
             *slot = h.define_metric(MetricKind::Counter, c.name()).ok();
         }
         s.hit_ratio = h.define_metric(MetricKind::Histogram, HIT_RATIO).ok();
+        s.token_estimate = h.define_metric(MetricKind::Histogram, TOKEN_ESTIMATE).ok();
         s
     }
 
@@ -201,6 +206,12 @@ impl Stats {
 
     pub fn fallback<H: Host + ?Sized>(&self, h: &H, f: Fallback) {
         bump(h, self.fallbacks.get(f.index()).copied().flatten(), 1);
+    }
+
+    pub fn token_estimate<H: Host + ?Sized>(&self, h: &H, served: u64, estimated: u64) {
+        if let (Some(id), true) = (self.token_estimate, estimated > 0) {
+            let _ = h.record_metric(id, served.saturating_mul(100) / estimated);
+        }
     }
 
     pub fn hit_ratio<H: Host + ?Sized>(&self, h: &H, hit: f64) {

@@ -343,6 +343,12 @@ fn usage_is_counted_from_the_response_tail() {
     f.on_log(&h);
     assert_eq!(h.metric("tokenaware_usage_prompt_tokens"), 120);
     assert_eq!(h.metric("tokenaware_usage_cached_tokens"), 64);
+    let ratio = h.histogram("tokenaware_prompt_tokens_per_100_estimated");
+    assert_eq!(ratio.len(), 1);
+    assert!(
+        ratio[0] > 100,
+        "120 served for a ~20-token estimate: {ratio:?}"
+    );
 }
 
 #[test]
