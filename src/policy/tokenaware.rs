@@ -68,7 +68,7 @@ impl Tokenaware {
         // An endpoint that held this prefix recently probably still has it: going back costs
         // at most one more held prefix than the best fresh choice.
         let recalled = (0..fleet.len())
-            .filter(|&i| fleet[i].recalled && key(i) <= min + slack + ask.tokens)
+            .filter(|&i| fleet[i].recalled && key(i) <= min + slack + ask.tokens / 2)
             .min_by_key(|&i| key(i));
         if recalled.is_some() {
             return recalled;
