@@ -5,6 +5,8 @@ use std::{env, fs, path::Path, process::Command};
 fn main() {
     println!("cargo:rerun-if-changed=data/presets.csv");
     println!("cargo:rerun-if-changed=.git/HEAD");
+    println!("cargo:rerun-if-changed=.git/refs/heads");
+    println!("cargo:rerun-if-changed=.git/logs/HEAD");
     let csv = fs::read_to_string("data/presets.csv").unwrap_or_default();
     let mut out = String::from(
         "/// (name, model, accelerator, engine, tensor parallel, tokens/s, chunk tokens)\n",

@@ -46,9 +46,13 @@ impl RootContext for RootCtx {
             Ok(b) => b.unwrap_or_default(),
             Err(_) => Vec::new(),
         };
+        // Random per VM: std seeds RandomState from WASI random_get, so two VMs started at
+        // the same instant still get different lease-owner ids.
         let nanos = filter::Host::now_ms(&WasmHost).unwrap_or(0);
-        let id = xxhash_rust::xxh3::xxh3_64_with_seed(&nanos.to_le_bytes(), u64::from(self.id))
-            ^ (&bytes as *const Vec<u8> as u64);
+        let id = std::hash::BuildHasher::hash_one(
+            &std::collections::hash_map::RandomState::new(),
+            (nanos, self.id),
+        );
         match Root::configure(&WasmHost, &bytes, id) {
             Ok(root) => {
                 let period = std::time::Duration::from_millis(root.tick_period_ms());
