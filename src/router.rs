@@ -10,7 +10,7 @@ use crate::ledger::{blend, Charge, LoadLedger};
 use crate::policy::{self, Ask, Candidate, Decision, Params, Policy};
 use crate::prefix::{chain_seed, hash_prompt, BlockChain};
 use crate::request::InferenceRequest;
-use crate::store::{SharedStore, StoreError};
+use crate::store::{ReadCache, SharedStore, StoreError};
 
 /// Why a request could not be routed; the caller lets Envoy's own balancing take it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,6 +148,7 @@ impl Router {
         if healthy.is_empty() {
             return Err(RouteError::NoEndpoints);
         }
+        let s = &ReadCache::new(s);
         let fleet = self.candidates(s, &healthy, chain, tokens, now_ms)?;
         let ask = Ask {
             tokens,

@@ -111,6 +111,40 @@ impl SharedStore for MemStore {
     }
 }
 
+/// A read cache over a store for the span of one decision: matching reads each endpoint's
+/// index header, ledger and buckets, and the insert and charge that follow read several of
+/// them again. A cached version is still checked by the inner store's CAS on write; a write
+/// (or a conflict) drops the key, so a retry reads fresh.
+pub struct ReadCache<'a, S: SharedStore + ?Sized> {
+    inner: &'a S,
+    cache: RefCell<Vec<(String, Option<Vec<u8>>, Option<Cas>)>>,
+}
+
+impl<'a, S: SharedStore + ?Sized> ReadCache<'a, S> {
+    pub fn new(inner: &'a S) -> Self {
+        ReadCache {
+            inner,
+            cache: RefCell::new(Vec::with_capacity(32)),
+        }
+    }
+}
+
+impl<S: SharedStore + ?Sized> SharedStore for ReadCache<'_, S> {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<Cas>), StoreError> {
+        if let Some((_, v, c)) = self.cache.borrow().iter().find(|(k, _, _)| k == key) {
+            return Ok((v.clone(), *c));
+        }
+        let (v, c) = self.inner.get(key)?;
+        self.cache.borrow_mut().push((key.to_string(), v.clone(), c));
+        Ok((v, c))
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
+        self.cache.borrow_mut().retain(|(k, _, _)| k != key);
+        self.inner.set(key, value, cas)
+    }
+}
+
 /// Little-endian field access for fixed-layout records; out-of-range reads give 0 so a short
 /// or foreign value reads as empty instead of panicking.
 pub(crate) fn read_u64(b: &[u8], at: usize) -> u64 {
@@ -166,6 +200,20 @@ mod tests {
             update(&s, "n", |_| Some((vec![9], ()))),
             Err(StoreError::CasMismatch)
         );
+    }
+
+    #[test]
+    fn read_cache_serves_repeats_and_stays_correct_under_conflicts() {
+        let s = MemStore::new();
+        s.set("k", b"1", None).unwrap();
+        let c = ReadCache::new(&s);
+        assert_eq!(c.get("k").unwrap().0.unwrap(), b"1");
+        // Another worker writes behind the cache's back.
+        s.set("k", b"2", None).unwrap();
+        assert_eq!(c.get("k").unwrap().0.unwrap(), b"1");
+        // A CAS update through the cache sees the conflict, drops the entry and retries fresh.
+        update(&c, "k", |old| Some(([old, b"+"].concat(), ()))).unwrap();
+        assert_eq!(s.get("k").unwrap().0.unwrap(), b"2+");
     }
 
     #[test]
