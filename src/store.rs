@@ -117,8 +117,11 @@ impl SharedStore for MemStore {
 /// (or a conflict) drops the key, so a retry reads fresh.
 pub struct ReadCache<'a, S: SharedStore + ?Sized> {
     inner: &'a S,
-    cache: RefCell<Vec<(String, Option<Vec<u8>>, Option<Cas>)>>,
+    cache: RefCell<Vec<Cached>>,
 }
+
+/// A key, its value and version as read.
+type Cached = (String, Option<Vec<u8>>, Option<Cas>);
 
 impl<'a, S: SharedStore + ?Sized> ReadCache<'a, S> {
     pub fn new(inner: &'a S) -> Self {
@@ -135,7 +138,9 @@ impl<S: SharedStore + ?Sized> SharedStore for ReadCache<'_, S> {
             return Ok((v.clone(), *c));
         }
         let (v, c) = self.inner.get(key)?;
-        self.cache.borrow_mut().push((key.to_string(), v.clone(), c));
+        self.cache
+            .borrow_mut()
+            .push((key.to_string(), v.clone(), c));
         Ok((v, c))
     }
 
