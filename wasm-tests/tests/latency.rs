@@ -4,6 +4,9 @@
 //! run (it measures, it does not check); run it with
 //!
 //!     cargo test --release -p wasm-tests --test latency -- --ignored --nocapture
+//!
+//! `TOKENAWARE_LATENCY_EXTRA='{"routes":["/none"]}'` adds plugin-config fields, e.g. to
+//! measure the filter present but not routing.
 
 use std::time::{Duration, Instant};
 
@@ -48,7 +51,16 @@ async fn added_latency() {
     .unwrap();
     let eps = fleet.endpoints();
     let list: Vec<_> = eps.iter().map(|a| json!({ "address": a })).collect();
-    let cfg = json!({ "endpoints": list }).to_string();
+    // TOKENAWARE_LATENCY_EXTRA: extra plugin-config fields (a JSON object) to measure variants.
+    let mut cfg = json!({ "endpoints": list });
+    if let Ok(extra) = std::env::var("TOKENAWARE_LATENCY_EXTRA") {
+        if let (Some(c), Ok(serde_json::Value::Object(e))) =
+            (cfg.as_object_mut(), serde_json::from_str(&extra))
+        {
+            c.extend(e);
+        }
+    }
+    let cfg = cfg.to_string();
     let mut plain = GatewayConfig::new(eps.clone());
     plain.concurrency = 1;
     let mut filtered = GatewayConfig::new(eps.clone()).with_wasm(wasm, cfg);
