@@ -16,4 +16,5 @@
 pub mod envoy;
 pub mod fleet;
 pub mod host;
+pub mod loadgen;
 pub mod ports;
