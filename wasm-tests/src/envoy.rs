@@ -68,6 +68,22 @@ pub struct WasmFilter {
     pub configuration: String,
 }
 
+/// The `models` cluster's fallback load balancer (what picks when no filter names an
+/// endpoint): the baselines a user would configure instead of the filter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FallbackLb {
+    /// The template's round robin.
+    #[default]
+    RoundRobin,
+    /// Envoy's least request (power of two choices over active requests).
+    LeastRequest,
+    /// Ring hash on the `x-prefix-group` request header (naive prefix affinity).
+    RingHashPrefixGroup,
+}
+
+/// The header [`FallbackLb::RingHashPrefixGroup`] hashes.
+pub const PREFIX_GROUP_HEADER: &str = "x-prefix-group";
+
 /// Parameters of `envoy/gateway.yaml.tmpl`.
 #[derive(Debug, Clone)]
 pub struct GatewayConfig {
@@ -85,6 +101,8 @@ pub struct GatewayConfig {
     pub log_level: String,
     /// Extra `--component-log-level`, e.g. `wasm:debug`.
     pub component_log_level: Option<String>,
+    /// The cluster's fallback balancer (round robin in the template).
+    pub lb: FallbackLb,
 }
 
 impl GatewayConfig {
@@ -97,7 +115,13 @@ impl GatewayConfig {
             concurrency: 2,
             log_level: "info".into(),
             component_log_level: None,
+            lb: FallbackLb::RoundRobin,
         }
+    }
+
+    pub fn with_lb(mut self, lb: FallbackLb) -> Self {
+        self.lb = lb;
+        self
     }
 
     pub fn with_wasm(mut self, path: impl Into<PathBuf>, configuration: impl Into<String>) -> Self {
@@ -150,6 +174,7 @@ impl GatewayConfig {
             }
             None => (String::new(), String::new()),
         };
+        let out = apply_lb(out, self.lb)?;
         Ok(out
             .replace("${LISTEN_PORT}", &self.listen_port.to_string())
             .replace("${ADMIN_PORT}", &self.admin_port.to_string())
@@ -157,6 +182,43 @@ impl GatewayConfig {
             .replace("${WASM_FILE}", &wasm_file)
             .replace("${PLUGIN_CONFIG}", &plugin_config))
     }
+}
+
+/// Rewrites the template's round-robin fallback into `lb` (and, for the ring hash, adds a
+/// route hash policy on [`PREFIX_GROUP_HEADER`]).
+fn apply_lb(yaml: String, lb: FallbackLb) -> anyhow::Result<String> {
+    const RR_NAME: &str = "envoy.load_balancing_policies.round_robin";
+    const RR_TYPE: &str = "load_balancing_policies.round_robin.v3.RoundRobin";
+    const ROUTE: &str = "                  cluster: models\n";
+    let (name, ty) = match lb {
+        FallbackLb::RoundRobin => return Ok(yaml),
+        FallbackLb::LeastRequest => (
+            "envoy.load_balancing_policies.least_request",
+            "load_balancing_policies.least_request.v3.LeastRequest",
+        ),
+        FallbackLb::RingHashPrefixGroup => (
+            "envoy.load_balancing_policies.ring_hash",
+            "load_balancing_policies.ring_hash.v3.RingHash",
+        ),
+    };
+    anyhow::ensure!(
+        yaml.matches(RR_NAME).count() == 1 && yaml.matches(RR_TYPE).count() == 1,
+        "template: expected one round_robin fallback policy"
+    );
+    let mut out = yaml.replace(RR_NAME, name).replace(RR_TYPE, ty);
+    if lb == FallbackLb::RingHashPrefixGroup {
+        anyhow::ensure!(
+            out.matches(ROUTE).count() == 1,
+            "template: expected one `cluster: models` route"
+        );
+        out = out.replace(
+            ROUTE,
+            &format!(
+                "{ROUTE}                  hash_policy:\n                  - header: {{ header_name: {PREFIX_GROUP_HEADER} }}\n"
+            ),
+        );
+    }
+    Ok(out)
 }
 
 static SEQ: AtomicU32 = AtomicU32::new(0);
@@ -400,6 +462,24 @@ mod tests {
         assert!(w.contains("envoy.filters.http.wasm"));
         assert!(w.contains(r#"value: '{"a":"it''s"}'"#));
         assert!(w.contains("allow_on_headers_stop_iteration: true"));
+    }
+
+    #[test]
+    fn renders_fallback_balancers() {
+        let mut c = GatewayConfig::new(["127.0.0.1:8000"]);
+        c.listen_port = 10000;
+        c.admin_port = 9901;
+        let rr = c.render().unwrap();
+        assert!(rr.contains("round_robin.v3.RoundRobin") && !rr.contains("hash_policy"));
+        let lr = c
+            .clone()
+            .with_lb(FallbackLb::LeastRequest)
+            .render()
+            .unwrap();
+        assert!(lr.contains("least_request.v3.LeastRequest") && !lr.contains("round_robin"));
+        let rh = c.with_lb(FallbackLb::RingHashPrefixGroup).render().unwrap();
+        assert!(rh.contains("ring_hash.v3.RingHash"));
+        assert!(rh.contains("header_name: x-prefix-group"));
     }
 
     #[test]
