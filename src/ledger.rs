@@ -114,13 +114,19 @@ impl LoadLedger {
         s: &S,
         c: &mut Charge,
     ) -> Result<(), StoreError> {
-        self.release_prefill(s, c)?;
         if !c.request_held {
-            return Ok(());
+            return self.release_prefill(s, c);
         }
+        // One update for whatever is still held.
+        let (prefill, tokens) = (c.prefill_held, c.tokens);
         self.apply(s, c.slot, c.epoch, None, |b| {
+            if prefill {
+                b.tokens = b.tokens.saturating_sub(tokens);
+                b.prefilling = b.prefilling.saturating_sub(1);
+            }
             b.requests = b.requests.saturating_sub(1);
         })?;
+        c.prefill_held = false;
         c.request_held = false;
         Ok(())
     }

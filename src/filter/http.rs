@@ -20,6 +20,8 @@ use crate::router::{Outcome, RouteError, Routed};
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 pub const DESTINATION_SERVED: &str = "x-gateway-destination-endpoint-served";
 pub const DECISION: &str = "x-tokenaware-decision";
+/// Set on responses by Envoy when the route has `include_attempt_count_in_response`.
+pub const ATTEMPT_COUNT: &str = "x-envoy-attempt-count";
 
 /// What the host should do with the stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,7 +158,8 @@ impl HttpFilter {
         } else {
             self.check_served_by(h);
             if end_of_stream {
-                self.first_byte(h);
+                // The whole response is here: `on_log` releases prefill and request together.
+                self.first_byte = true;
             }
         }
         Action::Continue
@@ -169,6 +172,11 @@ impl HttpFilter {
         let (Some(routed), Some(vm)) = (self.routed.as_mut(), self.vm.as_ref()) else {
             return;
         };
+        // With `include_attempt_count_in_response`, one attempt means the picked endpoint
+        // answered: skip the (costly) upstream address lookup.
+        if matches!(h.response_header(ATTEMPT_COUNT), Ok(Some(n)) if n == b"1") {
+            return;
+        }
         let Ok(Some(served)) = h.upstream_address() else {
             return;
         };
@@ -188,13 +196,17 @@ impl HttpFilter {
         &mut self,
         h: &H,
         body_size: usize,
-        _end_of_stream: bool,
+        end_of_stream: bool,
     ) -> Action {
         if self.routed.is_none() || body_size == 0 {
             return Action::Continue;
         }
         if !self.first_byte && !self.failed_early {
-            self.first_byte(h);
+            if end_of_stream {
+                self.first_byte = true;
+            } else {
+                self.first_byte(h);
+            }
         }
         let want = body_size.min(usage::TAIL_BYTES);
         if let Ok(chunk) = h.response_body(body_size - want, want) {
