@@ -1,1 +1,575 @@
-fn main() {}
+//! `bench`: the side-by-side benchmark. For each workload and target it starts a fresh
+//! simulated fleet (cold caches), starts the target in front of it, and sends the same seeded
+//! rate ladder through it with the load generator.
+//!
+//! ```sh
+//! cargo build --release --target wasm32-wasip1 -p tokenaware
+//! cargo run -p wasm-tests --release --bin bench -- [--quick] [--workload NAME]...
+//! ```
+//!
+//! Targets: `envoy-round-robin`, `envoy-least-request`, `envoy-ring-hash` (on
+//! `x-prefix-group`), `smg-cache-aware` (PyPI `smg`, installed into `.venv` with pip if
+//! missing; skipped with a message if that fails), `tokenaware-prefill`,
+//! `tokenaware-decode` (`scorer: active-request`). Writes `target/bench/results.json` and
+//! `target/bench/report.md`.
+//!
+//! Fidelity knobs, the same for every target: `--scale` multiplies every token count of the
+//! workload *and* the fleet's R_peak and KV capacity (and divides its per-token decode time),
+//! so prefill and decode take the same model time as unscaled; the time factor runs model
+//! time faster or slower than the wall clock. Rates, times and tokens are reported in model
+//! units.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Parser;
+use serde::Serialize;
+use serde_json::json;
+use wasm_tests::envoy::{repo_root, Envoy, FallbackLb, GatewayConfig};
+use wasm_tests::fleet::{Fleet, FleetConfig, Timing, MODEL};
+use wasm_tests::loadgen::{self, Stage, Summary, Target, Workload, WorkloadKind};
+
+const TARGETS: [&str; 6] = [
+    "envoy-round-robin",
+    "envoy-least-request",
+    "envoy-ring-hash",
+    "smg-cache-aware",
+    "tokenaware-prefill",
+    "tokenaware-decode",
+];
+
+/// Unscaled fleet timing: R_peak (tokens/s) and decode time per output token (ms).
+const R_PEAK: f64 = 20_480.0;
+const DECODE_MS: f64 = 5.0;
+
+#[derive(Debug, Parser)]
+#[command(about = "Side-by-side benchmark: Envoy balancers, smg cache_aware, tokenaware")]
+struct Args {
+    /// Short ladders (one workload unless --workload is given): a few minutes in all.
+    #[arg(long)]
+    quick: bool,
+    /// Workloads to run (repeatable; default: all four, or b2b-saas with --quick).
+    #[arg(long)]
+    workload: Vec<String>,
+    /// Targets to run (comma-separated; default: all).
+    #[arg(long, value_delimiter = ',')]
+    targets: Vec<String>,
+    /// Override the ladder (model req/s, comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    rates: Vec<f64>,
+    /// Override the stage length (model seconds).
+    #[arg(long)]
+    stage_duration: Option<f64>,
+    /// Override the token scale.
+    #[arg(long)]
+    scale: Option<f64>,
+    /// Override the time factor (wall seconds per model second).
+    #[arg(long)]
+    time_factor: Option<f64>,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Output directory.
+    #[arg(long, default_value = "target/bench")]
+    out_dir: PathBuf,
+}
+
+/// A workload's run parameters.
+#[derive(Debug, Clone, Serialize)]
+struct Profile {
+    workload: &'static str,
+    scale: f64,
+    time_factor: f64,
+    rates: Vec<f64>,
+    stage_duration: f64,
+    /// TTFT p90 SLO, model seconds: twice the cold fill of the mean prompt.
+    slo_s: f64,
+}
+
+fn profile(kind: WorkloadKind, quick: bool) -> Profile {
+    let slo_s = 2.0 * kind.mean_prompt_tokens() / R_PEAK;
+    use WorkloadKind::*;
+    // (scale, time factor, full ladder, quick ladder); stages last 30 model seconds (20 quick).
+    let (scale, time_factor, full, short): (f64, f64, &[f64], &[f64]) = match kind {
+        SeedSim => (
+            0.1,
+            0.5,
+            &[4.0, 8.0, 16.0, 32.0, 48.0, 64.0],
+            &[5.0, 20.0, 40.0],
+        ),
+        CodeGeneration => (0.1, 0.5, &[1.0, 2.0, 4.0, 8.0, 16.0], &[2.0, 6.0, 12.0]),
+        // 8,000-token outputs: a smaller scale keeps the streamed chunks per second low.
+        Reasoning => (0.02, 0.25, &[2.0, 4.0, 8.0], &[2.0, 6.0]),
+        B2bSaas => (
+            0.1,
+            0.5,
+            &[5.0, 10.0, 20.0, 30.0, 45.0, 60.0],
+            &[10.0, 25.0, 45.0],
+        ),
+    };
+    let (rates, stage) = if quick {
+        (short.to_vec(), 20.0)
+    } else {
+        (full.to_vec(), 30.0)
+    };
+    Profile {
+        workload: kind.name(),
+        scale,
+        time_factor,
+        rates,
+        stage_duration: stage,
+        slo_s,
+    }
+}
+
+fn fleet_config(kind: WorkloadKind, p: &Profile) -> FleetConfig {
+    FleetConfig {
+        endpoints: kind.endpoints(),
+        timing: Timing {
+            prefill_rate: R_PEAK * p.scale,
+            decode_ms_per_token: DECODE_MS / p.scale,
+            time_factor: p.time_factor,
+        },
+        kv_blocks: ((kind.kv_tokens() as f64 * p.scale) / 16.0)
+            .round()
+            .max(1.0) as usize,
+        ..Default::default()
+    }
+}
+
+/// The tokenaware plugin configuration for the fleet (R_peak and block size scaled like the
+/// workload; metrics polled every 200 ms wall).
+fn tokenaware_config(eps: &[String], p: &Profile, decode: bool) -> String {
+    let list: Vec<serde_json::Value> = eps.iter().map(|a| json!({"address": a})).collect();
+    let block = ((64.0 * p.scale).round() as u64).max(16);
+    let mut v = json!({
+        "endpoints": list,
+        "peakPrefillThroughput": R_PEAK * p.scale,
+        "blockSizeTokens": block,
+        "metrics": {"cluster": "models", "intervalMs": 200, "timeoutMs": 500, "staleAfterMs": 3000},
+    });
+    if decode {
+        v["scorer"] = json!("active-request");
+    }
+    v.to_string()
+}
+
+/// A running target, stopped on drop.
+enum Gateway {
+    Envoy(Envoy),
+    Smg(SmgProcess),
+}
+
+struct SmgProcess {
+    child: Child,
+    port: u16,
+}
+
+impl Drop for SmgProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Gateway {
+    fn url(&self) -> String {
+        match self {
+            Gateway::Envoy(e) => e.url("/v1/chat/completions"),
+            Gateway::Smg(s) => format!("http://127.0.0.1:{}/v1/chat/completions", s.port),
+        }
+    }
+}
+
+/// `.venv/bin/smg`, installed with pip into `.venv` if missing.
+fn smg_binary() -> anyhow::Result<PathBuf> {
+    let root = repo_root();
+    let bin = root.join(".venv/bin/smg");
+    if bin.is_file() {
+        return Ok(bin);
+    }
+    let pip = root.join(".venv/bin/pip");
+    anyhow::ensure!(pip.is_file(), "no .venv (run scripts/setup.sh)");
+    eprintln!("bench: installing smg into .venv (pip install smg)");
+    let st = Command::new(&pip)
+        .args(["install", "--quiet", "smg"])
+        .status()
+        .context("pip install smg")?;
+    anyhow::ensure!(
+        st.success() && bin.is_file(),
+        "pip install smg failed ({st})"
+    );
+    Ok(bin)
+}
+
+fn start_smg(eps: &[String]) -> anyhow::Result<SmgProcess> {
+    let bin = smg_binary()?;
+    let ports = wasm_tests::ports::free_ports(2)?;
+    let urls: Vec<String> = eps.iter().map(|e| format!("http://{e}")).collect();
+    let log = std::fs::File::create(std::env::temp_dir().join("tokenaware-bench-smg.log"))?;
+    let child = Command::new(bin)
+        .args([
+            "launch",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &ports[0].to_string(),
+        ])
+        .arg("--worker-urls")
+        .args(&urls)
+        .args(["--policy", "cache_aware", "--prometheus-host", "127.0.0.1"])
+        .args(["--prometheus-port", &ports[1].to_string()])
+        .args(["--log-level", "warn", "--queue-size", "100000"])
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .context("spawn smg")?;
+    let mut s = SmgProcess {
+        child,
+        port: ports[0],
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if let Some(st) = s.child.try_wait()? {
+            anyhow::bail!(
+                "smg exited early ({st}); see {}",
+                std::env::temp_dir()
+                    .join("tokenaware-bench-smg.log")
+                    .display()
+            );
+        }
+        if matches!(wasm_tests::envoy::http_get(s.port, "/health"), Ok((200, _))) {
+            // Workers are activated asynchronously after the HTTP server is up.
+            std::thread::sleep(Duration::from_secs(2));
+            return Ok(s);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let _ = s.child.kill();
+    anyhow::bail!("smg not healthy after 30 s")
+}
+
+fn start_target(name: &str, eps: &[String], p: &Profile) -> anyhow::Result<Gateway> {
+    let wasm = repo_root().join("target/wasm32-wasip1/release/tokenaware.wasm");
+    let envoy = |cfg: GatewayConfig| Envoy::start(cfg).map(Gateway::Envoy);
+    let gw = GatewayConfig::new(eps.to_vec());
+    match name {
+        "envoy-round-robin" => envoy(gw),
+        "envoy-least-request" => envoy(gw.with_lb(FallbackLb::LeastRequest)),
+        "envoy-ring-hash" => envoy(gw.with_lb(FallbackLb::RingHashPrefixGroup)),
+        "tokenaware-prefill" | "tokenaware-decode" => {
+            anyhow::ensure!(
+                wasm.is_file(),
+                "{} missing: cargo build --release --target wasm32-wasip1 -p tokenaware",
+                wasm.display()
+            );
+            let cfg = tokenaware_config(eps, p, name == "tokenaware-decode");
+            envoy(gw.with_wasm(wasm, cfg))
+        }
+        "smg-cache-aware" => start_smg(eps).map(Gateway::Smg),
+        other => anyhow::bail!("unknown target {other}"),
+    }
+}
+
+/// (target, capacity at SLO, per-stage rate and summary).
+type TargetResult = (String, f64, Vec<(f64, Summary)>);
+
+#[derive(Debug, Clone, Serialize)]
+struct RunRow {
+    target: String,
+    workload: String,
+    rate: f64,
+    completed: usize,
+    errors: usize,
+    ttft_p50_s: f64,
+    ttft_p90_s: f64,
+    hit_rate: f64,
+    input_tok_s: f64,
+    output_tok_s: f64,
+    e2e_p50_s: f64,
+    per_endpoint: Vec<usize>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct CapacityRow {
+    target: String,
+    workload: String,
+    capacity_rps: f64,
+}
+
+/// Whether a stage meets the SLO: ≥ 99 % of requests succeed and TTFT p90 < SLO.
+fn meets_slo(s: &Summary, slo_s: f64) -> bool {
+    s.requests > 0 && s.completed as f64 >= 0.99 * s.requests as f64 && s.ttft_p90_s < slo_s
+}
+
+/// Capacity at SLO: the highest ladder rate whose stage meets the SLO (0 if none).
+fn capacity(stages: &[(f64, Summary)], slo_s: f64) -> f64 {
+    stages
+        .iter()
+        .filter(|(_, s)| meets_slo(s, slo_s))
+        .map(|(r, _)| *r)
+        .fold(0.0, f64::max)
+}
+
+/// Stop the ladder once a stage is far past saturation (bounded run time; the same rule for
+/// every target).
+fn far_past(s: &Summary, slo_s: f64) -> bool {
+    s.errors as f64 > 0.1 * s.requests.max(1) as f64 || s.ttft_p90_s > 4.0 * slo_s
+}
+
+async fn run_one(
+    kind: WorkloadKind,
+    p: &Profile,
+    target: &str,
+    seed: u64,
+) -> anyhow::Result<Vec<Stage>> {
+    let fleet = Fleet::start_on_free_ports(fleet_config(kind, p))?;
+    let eps = fleet.endpoints();
+    let gw = {
+        let (eps, p, t) = (eps.clone(), p.clone(), target.to_string());
+        tokio::task::spawn_blocking(move || start_target(&t, &eps, &p)).await??
+    };
+    let t = Target {
+        url: gw.url(),
+        model: MODEL.into(),
+        prefix_group_header: target == "envoy-ring-hash",
+        timeout: Duration::from_secs_f64((8.0 * p.slo_s + 120.0) * p.time_factor + 10.0),
+    };
+    let client = loadgen::client()?;
+    let w = Workload::new(kind, p.scale, seed);
+    let slo = p.slo_s;
+    let stages = loadgen::ladder(
+        &client,
+        &t,
+        &w,
+        &p.rates,
+        p.stage_duration,
+        20_000,
+        p.time_factor,
+        &format!("{}/{target}", kind.name()),
+        |s| far_past(s, slo),
+    )
+    .await;
+    drop(gw);
+    drop(fleet);
+    let _ = eps;
+    Ok(stages)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let a = Args::parse();
+    let kinds: Vec<WorkloadKind> = if a.workload.is_empty() {
+        if a.quick {
+            vec![WorkloadKind::B2bSaas]
+        } else {
+            WorkloadKind::ALL.to_vec()
+        }
+    } else {
+        a.workload
+            .iter()
+            .map(|w| WorkloadKind::parse(w).with_context(|| format!("unknown workload {w:?}")))
+            .collect::<anyhow::Result<_>>()?
+    };
+    let targets: Vec<String> = if a.targets.is_empty() {
+        TARGETS.iter().map(|s| s.to_string()).collect()
+    } else {
+        for t in &a.targets {
+            anyhow::ensure!(
+                TARGETS.contains(&t.as_str()),
+                "unknown target {t:?} ({TARGETS:?})"
+            );
+        }
+        a.targets.clone()
+    };
+    std::fs::create_dir_all(&a.out_dir)?;
+    let started = Instant::now();
+    let mut runs: Vec<RunRow> = Vec::new();
+    let mut caps: Vec<CapacityRow> = Vec::new();
+    let mut profiles = Vec::new();
+    let mut skipped: Vec<String> = Vec::new();
+    let mut report = String::new();
+    for kind in kinds {
+        let mut p = profile(kind, a.quick);
+        if !a.rates.is_empty() {
+            p.rates = a.rates.clone();
+        }
+        if let Some(d) = a.stage_duration {
+            p.stage_duration = d;
+        }
+        if let Some(s) = a.scale {
+            p.scale = s;
+        }
+        if let Some(f) = a.time_factor {
+            p.time_factor = f;
+        }
+        eprintln!(
+            "== {}: ladder {:?} req/s × {} s, scale {}, time factor {}, TTFT p90 SLO {:.2} s",
+            kind, p.rates, p.stage_duration, p.scale, p.time_factor, p.slo_s
+        );
+        let mut table: Vec<TargetResult> = Vec::new();
+        for target in &targets {
+            let t0 = Instant::now();
+            let stages = match run_one(kind, &p, target, a.seed).await {
+                Ok(s) => s,
+                Err(e) => {
+                    let msg = format!("{kind}/{target}: skipped: {e:#}");
+                    eprintln!("bench: {msg}");
+                    skipped.push(msg);
+                    continue;
+                }
+            };
+            let rows: Vec<(f64, Summary)> =
+                stages.iter().map(|s| (s.rate, s.summary.clone())).collect();
+            let cap = capacity(&rows, p.slo_s);
+            eprintln!(
+                "   {target}: capacity {cap} req/s ({:.0} s)",
+                t0.elapsed().as_secs_f64()
+            );
+            for (rate, s) in &rows {
+                runs.push(RunRow {
+                    target: target.clone(),
+                    workload: kind.name().into(),
+                    rate: *rate,
+                    completed: s.completed,
+                    errors: s.errors,
+                    ttft_p50_s: s.ttft_p50_s,
+                    ttft_p90_s: s.ttft_p90_s,
+                    hit_rate: s.hit_rate,
+                    input_tok_s: s.input_tok_s,
+                    output_tok_s: s.output_tok_s,
+                    e2e_p50_s: s.e2e_p50_s,
+                    per_endpoint: s.per_endpoint.values().copied().collect(),
+                });
+            }
+            caps.push(CapacityRow {
+                target: target.clone(),
+                workload: kind.name().into(),
+                capacity_rps: cap,
+            });
+            table.push((target.clone(), cap, rows));
+        }
+        let section = render_table(kind, &p, &table);
+        println!("{section}");
+        report.push_str(&section);
+        profiles.push(p);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let results = json!({
+        "runs": runs,
+        "capacity": caps,
+        "profiles": profiles,
+        "skipped": skipped,
+        "seed": a.seed,
+        "quick": a.quick,
+        "elapsed_s": elapsed,
+    });
+    let rpath = a.out_dir.join("results.json");
+    std::fs::write(&rpath, serde_json::to_string_pretty(&results)?)?;
+    if !skipped.is_empty() {
+        report.push_str("\nSkipped:\n");
+        for s in &skipped {
+            report.push_str(&format!("- {s}\n"));
+        }
+    }
+    report.push_str(&format!("\nWall time: {elapsed:.0} s\n"));
+    let mpath = a.out_dir.join("report.md");
+    std::fs::write(&mpath, &report)?;
+    eprintln!(
+        "wrote {} and {} ({elapsed:.0} s)",
+        rpath.display(),
+        mpath.display()
+    );
+    Ok(())
+}
+
+/// A markdown section: per target and rate, then capacity and ratios to round robin.
+fn render_table(kind: WorkloadKind, p: &Profile, table: &[TargetResult]) -> String {
+    let mut out = format!(
+        "\n### {kind}\n\nscale {}, time factor {}, ladder {:?} req/s × {} s (model time), \
+         TTFT p90 SLO {:.2} s\n\n\
+         | target | rate | done | err | TTFT p50 s | TTFT p90 s | hit | in tok/s | out tok/s |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+        p.scale, p.time_factor, p.rates, p.stage_duration, p.slo_s
+    );
+    for (t, _, rows) in table {
+        for (rate, s) in rows {
+            out.push_str(&format!(
+                "| {t} | {rate} | {} | {} | {:.3} | {:.3} | {:.1} % | {:.0} | {:.0} |\n",
+                s.completed,
+                s.errors,
+                s.ttft_p50_s,
+                s.ttft_p90_s,
+                s.hit_rate * 100.0,
+                s.input_tok_s,
+                s.output_tok_s
+            ));
+        }
+    }
+    let rr = table
+        .iter()
+        .find(|(t, _, _)| t == "envoy-round-robin")
+        .map(|(_, c, _)| *c);
+    out.push_str("\n| target | capacity at SLO (req/s) | × round robin |\n|---|---:|---:|\n");
+    for (t, cap, _) in table {
+        let ratio = match rr {
+            Some(r) if r > 0.0 => format!("{:.2}", cap / r),
+            _ => "–".into(),
+        };
+        out.push_str(&format!("| {t} | {cap} | {ratio} |\n"));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(requests: usize, completed: usize, p90: f64) -> Summary {
+        Summary {
+            requests,
+            completed,
+            errors: requests - completed,
+            ttft_p90_s: p90,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn capacity_is_the_highest_rate_meeting_the_slo() {
+        let stages = vec![
+            (5.0, s(100, 100, 0.5)),
+            (10.0, s(200, 199, 0.9)),
+            (20.0, s(400, 380, 0.5)), // 95 % success
+            (30.0, s(600, 600, 2.0)), // over the SLO
+        ];
+        assert_eq!(capacity(&stages, 1.0), 10.0);
+        assert_eq!(capacity(&stages[2..], 1.0), 0.0);
+        assert!(far_past(&s(100, 80, 0.1), 1.0));
+        assert!(far_past(&s(100, 100, 4.5), 1.0));
+        assert!(!far_past(&s(100, 100, 3.0), 1.0));
+    }
+
+    #[test]
+    fn profiles_scale_the_fleet_with_the_workload() {
+        for k in WorkloadKind::ALL {
+            for quick in [false, true] {
+                let p = profile(k, quick);
+                let f = fleet_config(k, &p);
+                // Prefill of a scaled prompt takes the unscaled model time.
+                let model = k.mean_prompt_tokens() / R_PEAK;
+                let scaled = f
+                    .timing
+                    .prefill((k.mean_prompt_tokens() * p.scale) as usize);
+                let want = model * p.time_factor;
+                assert!(
+                    (scaled.as_secs_f64() - want).abs() < 0.01 * want + 1e-3,
+                    "{k}"
+                );
+                assert!(p.rates.windows(2).all(|w| w[0] < w[1]));
+            }
+        }
+    }
+}
