@@ -130,6 +130,9 @@ fn fleet_config(kind: WorkloadKind, p: &Profile) -> FleetConfig {
             prefill_rate: R_PEAK * p.scale,
             decode_ms_per_token: DECODE_MS / p.scale,
             time_factor: p.time_factor,
+            // vLLM's budget per step, scaled like the tokens (same number of steps).
+            max_num_batched_tokens: ((8192.0 * p.scale) as usize).max(16),
+            ..Default::default()
         },
         kv_blocks: ((kind.kv_tokens() as f64 * p.scale) / 16.0)
             .round()

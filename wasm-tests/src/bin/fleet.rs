@@ -13,7 +13,7 @@ enum Names {
     Sglang,
 }
 
-/// Simulated vLLM fleet: OpenAI endpoints with prefix caching, FIFO prefill, decode pacing.
+/// Simulated vLLM fleet: OpenAI endpoints with prefix caching and a vLLM-like step scheduler.
 #[derive(Debug, Parser)]
 #[command(version)]
 struct Args {
@@ -32,6 +32,15 @@ struct Args {
     /// Multiplies every simulated duration (0.01 = 100x faster than real time).
     #[arg(long, default_value_t = 1.0)]
     time_factor: f64,
+    /// Scheduler token budget per step (vLLM max-num-batched-tokens).
+    #[arg(long, default_value_t = 8192)]
+    max_num_batched_tokens: usize,
+    /// Requests running at once (vLLM max-num-seqs); more wait in a queue.
+    #[arg(long, default_value_t = 256)]
+    max_num_seqs: usize,
+    /// Decode step time growth per extra decoding request.
+    #[arg(long, default_value_t = 0.005)]
+    decode_batch_slope: f64,
     /// KV cache capacity per endpoint, in 16-token blocks.
     #[arg(long, default_value_t = 32768)]
     kv_blocks: usize,
@@ -77,6 +86,9 @@ async fn main() -> anyhow::Result<()> {
             prefill_rate: a.prefill_rate,
             decode_ms_per_token: a.decode_ms_per_token,
             time_factor: a.time_factor,
+            max_num_batched_tokens: a.max_num_batched_tokens,
+            max_num_seqs: a.max_num_seqs,
+            decode_batch_slope: a.decode_batch_slope,
         },
         kv_blocks: a.kv_blocks,
         metrics_names: match a.metrics_names {

@@ -1,5 +1,7 @@
 //! A simulated vLLM fleet: N OpenAI-compatible endpoints on consecutive loopback ports, each
-//! with its own prefix cache, FIFO prefill server, decode pacing and Prometheus metrics.
+//! with its own prefix cache, a vLLM-like step scheduler (chunked prefill within a token budget,
+//! decode steps that grow with the batch, `max-num-seqs` with a waiting queue) and Prometheus
+//! metrics.
 //!
 //! Use it in-process from tests:
 //!
@@ -21,6 +23,7 @@
 
 pub mod cache;
 pub mod openai;
+pub mod sched;
 mod server;
 pub mod timing;
 

@@ -1,8 +1,9 @@
-//! One simulated endpoint: HTTP handlers, the FIFO prefill server, gauges and /metrics.
+//! One simulated endpoint: HTTP handlers, gauges and /metrics; the step scheduler is in
+//! [`super::sched`].
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -15,70 +16,33 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use super::cache::{approx_tokens, block_hashes, PrefixCache, BLOCK_TOKENS};
-use super::openai::{self, Api, Parsed, Usage};
+use super::openai::{self, Api, Usage};
+use super::sched::{Event, Scheduler, Seq};
 use super::{FleetConfig, MetricsNames, MODEL};
 
 /// Largest request body accepted (the filter is tested with multi-MiB prompts).
 const MAX_BODY_BYTES: usize = 64 << 20;
-/// Sleeps shorter than this are skipped and carried over (tokio timers have 1 ms resolution).
-const PACE_SLACK: Duration = Duration::from_millis(1);
-
-struct PrefillQueue {
-    /// Virtual time at which the prefill server is free again.
-    busy_until: Instant,
-}
 
 pub(crate) struct Endpoint {
     port: u16,
-    cfg: Arc<FleetConfig>,
+    pub(crate) cfg: Arc<FleetConfig>,
     endpoint_header: HeaderValue,
-    cache: Mutex<PrefixCache>,
-    prefill: tokio::sync::Mutex<PrefillQueue>,
-    waiting: AtomicI64,
-    running: AtomicI64,
-    kv_used_blocks: AtomicI64,
-    prefix_queries: AtomicU64,
-    prefix_hits: AtomicU64,
-    prompt_tokens: AtomicU64,
-    generation_tokens: AtomicU64,
-    requests: AtomicU64,
+    pub(crate) cache: Mutex<PrefixCache>,
+    pub(crate) sched: Scheduler,
+    pub(crate) waiting: AtomicI64,
+    pub(crate) running: AtomicI64,
+    pub(crate) kv_used_blocks: AtomicI64,
+    pub(crate) prefix_queries: AtomicU64,
+    pub(crate) prefix_hits: AtomicU64,
+    pub(crate) prompt_tokens: AtomicU64,
+    pub(crate) generation_tokens: AtomicU64,
+    pub(crate) requests: AtomicU64,
     next_id: AtomicU64,
     metrics_override: Mutex<Option<String>>,
 }
 
-/// Increments a gauge for its lifetime (decrements on drop, also on cancellation).
-struct Gauge<'a> {
-    g: &'a AtomicI64,
-    n: i64,
-}
-
-impl<'a> Gauge<'a> {
-    fn add(g: &'a AtomicI64, n: i64) -> Self {
-        g.fetch_add(n, Ordering::Relaxed);
-        Self { g, n }
-    }
-}
-
-impl Drop for Gauge<'_> {
-    fn drop(&mut self) {
-        self.g.fetch_sub(self.n, Ordering::Relaxed);
-    }
-}
-
-async fn pace_until(deadline: Instant) {
-    if deadline > Instant::now() + PACE_SLACK {
-        tokio::time::sleep_until(deadline.into()).await;
-    }
-}
-
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-struct Prefilled {
-    prompt_tokens: usize,
-    cached_tokens: usize,
-    first_token_at: Instant,
 }
 
 impl Endpoint {
@@ -90,9 +54,7 @@ impl Endpoint {
             cache: Mutex::new(PrefixCache::new(cfg.kv_blocks)),
             cfg,
             endpoint_header,
-            prefill: tokio::sync::Mutex::new(PrefillQueue {
-                busy_until: Instant::now(),
-            }),
+            sched: Scheduler::default(),
             waiting: AtomicI64::new(0),
             running: AtomicI64::new(0),
             kv_used_blocks: AtomicI64::new(0),
@@ -118,44 +80,6 @@ impl Endpoint {
             .layer(middleware::from_fn_with_state(self.clone(), tag_endpoint))
             .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
             .with_state(self.clone())
-    }
-
-    /// Waits for this endpoint's FIFO prefill server, prefills the uncached tokens, updates
-    /// the cache. The returned gauge marks the request as running until it is dropped.
-    async fn prefill(&self, p: &Parsed) -> (Prefilled, Gauge<'_>, Gauge<'_>) {
-        let hashes = block_hashes(&p.model, &p.prompt);
-        let tokens = approx_tokens(&p.prompt);
-        let waiting = Gauge::add(&self.waiting, 1);
-        let mut q = self.prefill.lock().await;
-        drop(waiting);
-        let running = Gauge::add(&self.running, 1);
-        let now = Instant::now();
-        // Continue in virtual time if the server was busy until (about) now.
-        let start = if now.saturating_duration_since(q.busy_until) <= PACE_SLACK {
-            q.busy_until
-        } else {
-            now
-        };
-        pace_until(start).await;
-        let cached = lock(&self.cache).cached_tokens(&hashes, tokens);
-        let kv_blocks = (tokens + p.max_tokens).div_ceil(BLOCK_TOKENS) as i64;
-        let kv = Gauge::add(&self.kv_used_blocks, kv_blocks);
-        let end = start + self.cfg.timing.prefill(tokens - cached);
-        q.busy_until = end;
-        pace_until(end).await;
-        lock(&self.cache).insert(&hashes);
-        drop(q);
-        self.prefix_queries
-            .fetch_add(tokens as u64, Ordering::Relaxed);
-        self.prefix_hits.fetch_add(cached as u64, Ordering::Relaxed);
-        self.prompt_tokens
-            .fetch_add(tokens as u64, Ordering::Relaxed);
-        let pre = Prefilled {
-            prompt_tokens: tokens,
-            cached_tokens: cached,
-            first_token_at: end,
-        };
-        (pre, running, kv)
     }
 
     fn render_metrics(&self) -> String {
@@ -302,46 +226,56 @@ async fn generate(ep: Arc<Endpoint>, api: Api, body: Bytes) -> Response {
     drop(body);
     let id = ep.new_id();
     let created = unix_now();
+    let hashes = block_hashes(&p.model, &p.prompt);
+    let tokens = approx_tokens(&p.prompt);
+    let (tx, mut events) = mpsc::unbounded_channel();
+    ep.sched
+        .submit(&ep, Seq::new(hashes, tokens, p.max_tokens, tx));
     if !p.stream {
-        let (pre, _running, _kv) = ep.prefill(&p).await;
-        pace_until(pre.first_token_at + ep.cfg.timing.decode(p.max_tokens)).await;
-        ep.generation_tokens
-            .fetch_add(p.max_tokens as u64, Ordering::Relaxed);
-        ep.requests.fetch_add(1, Ordering::Relaxed);
-        let usage = Usage {
-            prompt_tokens: pre.prompt_tokens,
+        let mut usage = Usage {
+            prompt_tokens: tokens,
             completion_tokens: p.max_tokens,
-            cached_tokens: pre.cached_tokens,
+            cached_tokens: 0,
         };
+        let mut got = 0;
+        while got < p.max_tokens {
+            match events.recv().await {
+                Some(Event::First { cached_tokens, .. }) => {
+                    usage.cached_tokens = cached_tokens;
+                    got += 1;
+                }
+                Some(Event::Token) => got += 1,
+                None => break,
+            }
+        }
         return Json(openai::full_response(&p, &id, created, usage)).into_response();
     }
-    // Streaming: like vLLM, headers go out at once; chunks follow prefill and decode.
+    // Streaming: like vLLM, headers go out at once; a chunk follows each generated token.
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(32);
     tokio::spawn(async move {
-        let work = async {
-            let (pre, _running, _kv) = ep.prefill(&p).await;
-            for i in 0..p.max_tokens {
-                pace_until(pre.first_token_at + ep.cfg.timing.token_offset(i)).await;
-                let last = (i + 1 == p.max_tokens).then_some(Usage {
-                    prompt_tokens: pre.prompt_tokens,
-                    completion_tokens: p.max_tokens,
-                    cached_tokens: pre.cached_tokens,
-                });
-                let chunk = openai::stream_chunk(&p, &id, created, i, last);
-                let frame = Bytes::from(format!("data: {chunk}\n\n"));
-                if tx.send(Ok(frame)).await.is_err() {
-                    return;
-                }
-                ep.generation_tokens.fetch_add(1, Ordering::Relaxed);
+        let mut cached = 0;
+        let mut i = 0;
+        while i < p.max_tokens {
+            match events.recv().await {
+                Some(Event::First { cached_tokens, .. }) => cached = cached_tokens,
+                Some(Event::Token) => {}
+                None => return,
             }
-            ep.requests.fetch_add(1, Ordering::Relaxed);
-            let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
-        };
-        // A client that goes away aborts the request, also while it is queued.
-        tokio::select! {
-            _ = work => {}
-            _ = tx.closed() => {}
+            let last = (i + 1 == p.max_tokens).then_some(Usage {
+                prompt_tokens: tokens,
+                completion_tokens: p.max_tokens,
+                cached_tokens: cached,
+            });
+            let chunk = openai::stream_chunk(&p, &id, created, i, last);
+            let frame = Bytes::from(format!("data: {chunk}\n\n"));
+            // A client that goes away drops `events`, which takes the request out of the
+            // scheduler (also while it is queued).
+            if tx.send(Ok(frame)).await.is_err() {
+                return;
+            }
+            i += 1;
         }
+        let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
     });
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|item| (item, rx))

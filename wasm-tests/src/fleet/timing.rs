@@ -1,10 +1,11 @@
 //! The simulated endpoint's timing model.
 //!
-//! Per endpoint, prefill is a FIFO server: a request waits for the requests queued before it,
-//! then its *uncached* prompt tokens are prefilled at `prefill_rate` tokens/s. The prefill step
-//! yields the first output token (TTFT = queueing + prefill). Each further output token takes
-//! `decode_ms_per_token`; decode of different requests overlaps (continuous batching), only
-//! prefill is serialized. Every duration is multiplied by `time_factor`.
+//! Per endpoint, a vLLM-like step scheduler ([`super::sched`]) runs continuous batching:
+//! chunked prefill of the *uncached* prompt tokens at `prefill_rate` tokens/s within a token
+//! budget per step, decode steps of `decode_ms_per_token` that grow with the batch, and at
+//! most `max_num_seqs` running requests with a FIFO waiting queue. The end of prefill yields
+//! the first output token (TTFT = queueing + prefill). The helpers below give the unloaded
+//! times. Every duration is multiplied by `time_factor`.
 
 use std::time::Duration;
 
@@ -16,6 +17,14 @@ pub struct Timing {
     pub decode_ms_per_token: f64,
     /// Multiplier applied to every duration (0.01 = 100× faster than real time).
     pub time_factor: f64,
+    /// Token budget of one scheduler step (vLLM `max-num-batched-tokens`): decode tokens
+    /// first, the rest as prefill chunks.
+    pub max_num_batched_tokens: usize,
+    /// Requests running at once (vLLM `max-num-seqs`); more wait in a FIFO queue.
+    pub max_num_seqs: usize,
+    /// Growth of a decode step's time per extra decoding request: a step with `n` decoding
+    /// requests takes `decode_ms_per_token · (1 + slope · (n − 1))`.
+    pub decode_batch_slope: f64,
 }
 
 impl Default for Timing {
@@ -24,6 +33,9 @@ impl Default for Timing {
             prefill_rate: 20480.0,
             decode_ms_per_token: 5.0,
             time_factor: 1.0,
+            max_num_batched_tokens: 8192,
+            max_num_seqs: 256,
+            decode_batch_slope: 0.005,
         }
     }
 }

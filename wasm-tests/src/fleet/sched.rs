@@ -1,0 +1,240 @@
+//! A vLLM-like per-endpoint scheduler: continuous batching in steps.
+//!
+//! Requests enter a FIFO waiting queue; up to `max_num_seqs` run at once. Each step spends a
+//! token budget of `max_num_batched_tokens`: first one token for every running request that
+//! is decoding, then the rest as prefill chunks for the running requests still prefilling,
+//! oldest first (chunked prefill). A step lasts
+//! `prefill_tokens / R_peak + (n_decode > 0) · decode_ms · (1 + decode_batch_slope · (n_decode − 1))`
+//! (times the time factor), so a lone prompt prefills at R_peak and decode steps slow down as
+//! the batch grows. The prefix cache is looked up when a request is admitted (at least one
+//! prompt token is always computed, as in vLLM) and filled when its prefill completes; the
+//! first output token comes with the end of prefill, each further one from a decode step.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, Notify};
+
+use super::cache::BLOCK_TOKENS;
+use super::server::Endpoint;
+use super::timing::Timing;
+
+/// What the scheduler tells a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Event {
+    /// Prefill done: the first output token.
+    First {
+        prompt_tokens: usize,
+        cached_tokens: usize,
+    },
+    /// One more output token.
+    Token,
+}
+
+pub(crate) struct Seq {
+    pub hashes: Vec<u64>,
+    pub tokens: usize,
+    pub max_tokens: usize,
+    pub tx: mpsc::UnboundedSender<Event>,
+    cached: usize,
+    computed: usize,
+    generated: usize,
+}
+
+impl Seq {
+    pub(crate) fn new(
+        hashes: Vec<u64>,
+        tokens: usize,
+        max_tokens: usize,
+        tx: mpsc::UnboundedSender<Event>,
+    ) -> Self {
+        Self {
+            hashes,
+            tokens,
+            max_tokens: max_tokens.max(1),
+            tx,
+            cached: 0,
+            computed: 0,
+            generated: 0,
+        }
+    }
+
+    fn decoding(&self) -> bool {
+        self.generated > 0
+    }
+
+    fn kv_blocks(&self) -> i64 {
+        (self.tokens + self.max_tokens).div_ceil(BLOCK_TOKENS) as i64
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct Queues {
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+}
+
+/// The scheduler's shared state: queues and a wake-up for the step loop.
+#[derive(Default)]
+pub(crate) struct Scheduler {
+    queues: Mutex<Queues>,
+    wake: Notify,
+    started: std::sync::atomic::AtomicBool,
+}
+
+/// Duration of one step in model time.
+pub fn step_duration(t: &Timing, prefill_tokens: usize, n_decode: usize) -> f64 {
+    let prefill = if t.prefill_rate > 0.0 {
+        prefill_tokens as f64 / t.prefill_rate
+    } else {
+        0.0
+    };
+    let decode = if n_decode > 0 {
+        t.decode_ms_per_token / 1000.0 * (1.0 + t.decode_batch_slope * (n_decode - 1) as f64)
+    } else {
+        0.0
+    };
+    prefill + decode
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Sleeps shorter than this are skipped (the virtual clock carries them).
+const SLACK: Duration = Duration::from_millis(1);
+
+impl Scheduler {
+    /// Queues a request; starts the endpoint's step loop on first use.
+    pub(crate) fn submit(&self, ep: &Arc<Endpoint>, seq: Seq) {
+        lock(&self.queues).waiting.push_back(seq);
+        ep.waiting.fetch_add(1, Ordering::Relaxed);
+        if !self.started.swap(true, Ordering::AcqRel) {
+            let ep = ep.clone();
+            tokio::spawn(async move { run(ep).await });
+        }
+        self.wake.notify_one();
+    }
+}
+
+async fn run(ep: Arc<Endpoint>) {
+    let sched = &ep.sched;
+    let t = ep.cfg.timing;
+    let tf = t.time_factor.max(0.0);
+    let mut clock = Instant::now();
+    loop {
+        // Plan one step under the lock; no await while holding it.
+        let plan = {
+            let mut q = lock(&sched.queues);
+            // Requests whose client went away leave the batch.
+            q.running.retain(|s| {
+                let keep = !s.tx.is_closed();
+                if !keep {
+                    ep.kv_used_blocks
+                        .fetch_sub(s.kv_blocks(), Ordering::Relaxed);
+                }
+                keep
+            });
+            let before = q.waiting.len();
+            q.waiting.retain(|s| !s.tx.is_closed());
+            let mut admitted = before - q.waiting.len();
+            while q.running.len() < t.max_num_seqs.max(1) {
+                let Some(mut s) = q.waiting.pop_front() else {
+                    break;
+                };
+                admitted += 1;
+                let cached = lock(&ep.cache)
+                    .cached_tokens(&s.hashes, s.tokens)
+                    .min(s.tokens.saturating_sub(1));
+                s.cached = cached;
+                s.computed = cached;
+                ep.kv_used_blocks
+                    .fetch_add(s.kv_blocks(), Ordering::Relaxed);
+                q.running.push(s);
+            }
+            ep.waiting.fetch_sub(admitted as i64, Ordering::Relaxed);
+            ep.running.store(q.running.len() as i64, Ordering::Relaxed);
+            if q.running.is_empty() {
+                None
+            } else {
+                let n_decode = q.running.iter().filter(|s| s.decoding()).count();
+                let mut budget = t.max_num_batched_tokens.max(1).saturating_sub(n_decode);
+                let mut prefill = 0;
+                for s in q.running.iter_mut().filter(|s| !s.decoding()) {
+                    if budget == 0 {
+                        break;
+                    }
+                    let take = budget.min(s.tokens - s.computed);
+                    s.computed += take;
+                    budget -= take;
+                    prefill += take;
+                }
+                Some((prefill, n_decode))
+            }
+        };
+        let Some((prefill_tokens, n_decode)) = plan else {
+            // Idle: wait for work; the clock restarts from now.
+            sched.wake.notified().await;
+            clock = Instant::now();
+            continue;
+        };
+        let now = Instant::now();
+        if now.saturating_duration_since(clock) > SLACK {
+            clock = now;
+        }
+        let step = step_duration(&t, prefill_tokens, n_decode) * tf;
+        if step.is_finite() && step > 0.0 {
+            clock += Duration::from_secs_f64(step);
+        }
+        if clock > Instant::now() + SLACK {
+            tokio::time::sleep_until(clock.into()).await;
+        }
+        // Deliver the step's tokens.
+        let mut q = lock(&sched.queues);
+        q.running.retain_mut(|s| {
+            if s.decoding() {
+                s.generated += 1;
+                let _ = s.tx.send(Event::Token);
+                ep.generation_tokens.fetch_add(1, Ordering::Relaxed);
+            } else if s.computed >= s.tokens {
+                lock(&ep.cache).insert(&s.hashes);
+                ep.prefix_queries
+                    .fetch_add(s.tokens as u64, Ordering::Relaxed);
+                ep.prefix_hits.fetch_add(s.cached as u64, Ordering::Relaxed);
+                ep.prompt_tokens
+                    .fetch_add(s.tokens as u64, Ordering::Relaxed);
+                s.generated = 1;
+                let _ = s.tx.send(Event::First {
+                    prompt_tokens: s.tokens,
+                    cached_tokens: s.cached,
+                });
+                ep.generation_tokens.fetch_add(1, Ordering::Relaxed);
+            }
+            let done = s.generated >= s.max_tokens;
+            if done {
+                ep.requests.fetch_add(1, Ordering::Relaxed);
+                ep.kv_used_blocks
+                    .fetch_sub(s.kv_blocks(), Ordering::Relaxed);
+            }
+            !done
+        });
+        ep.running.store(q.running.len() as i64, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_time_grows_with_the_batch() {
+        let t = Timing::default();
+        assert!((step_duration(&t, 8192, 0) - 8192.0 / 20480.0).abs() < 1e-12);
+        let one = step_duration(&t, 0, 1);
+        assert!((one - 0.005).abs() < 1e-12);
+        assert!(step_duration(&t, 0, 101) > one * 1.2);
+        assert!(step_duration(&t, 100, 10) > step_duration(&t, 0, 10));
+    }
+}
