@@ -90,7 +90,7 @@ struct Profile {
 fn profile(kind: WorkloadKind, quick: bool) -> Profile {
     let slo_s = 2.0 * kind.mean_prompt_tokens() / R_PEAK;
     use WorkloadKind::*;
-    // (scale, time factor, full ladder, quick ladder); stages last 30 model seconds (20 quick).
+    // (scale, time factor, full ladder, quick ladder); stages last 20 model seconds (12 quick).
     let (scale, time_factor, full, short): (f64, f64, &[f64], &[f64]) = match kind {
         SeedSim => (
             0.1,
@@ -109,9 +109,9 @@ fn profile(kind: WorkloadKind, quick: bool) -> Profile {
         ),
     };
     let (rates, stage) = if quick {
-        (short.to_vec(), 20.0)
+        (short.to_vec(), 12.0)
     } else {
-        (full.to_vec(), 30.0)
+        (full.to_vec(), 20.0)
     };
     Profile {
         workload: kind.name(),
