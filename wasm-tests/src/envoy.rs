@@ -39,6 +39,19 @@ pub fn repo_root() -> PathBuf {
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
 }
 
+/// Whether tests that need Envoy can run: false (with a message) when it is not installed,
+/// unless `TOKENAWARE_REQUIRE_ENVOY` is set (as `scripts/test.sh` does), then a panic.
+pub fn have_envoy() -> bool {
+    match envoy_binary() {
+        Ok(_) => true,
+        Err(e) if std::env::var_os("TOKENAWARE_REQUIRE_ENVOY").is_none() => {
+            eprintln!("skipping: {e}");
+            false
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
 /// The Envoy binary: `$ENVOY_BIN` if set, else `.venv/lib/python3*/site-packages/envoy/_bin/envoy`
 /// under the repo (installed by `scripts/setup.sh`).
 pub fn envoy_binary() -> anyhow::Result<PathBuf> {

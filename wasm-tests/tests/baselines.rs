@@ -5,19 +5,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use wasm_tests::envoy::{envoy_binary, Envoy, FallbackLb, GatewayConfig, PREFIX_GROUP_HEADER};
+use wasm_tests::envoy::{have_envoy, Envoy, FallbackLb, GatewayConfig, PREFIX_GROUP_HEADER};
 use wasm_tests::fleet::{Fleet, FleetConfig, Timing};
-
-fn have_envoy() -> bool {
-    match envoy_binary() {
-        Ok(_) => true,
-        Err(e) if std::env::var_os("TOKENAWARE_REQUIRE_ENVOY").is_none() => {
-            eprintln!("skipping: {e}");
-            false
-        }
-        Err(e) => panic!("{e}"),
-    }
-}
 
 async fn served_by(c: &reqwest::Client, url: &str, group: Option<&str>) -> String {
     let body = r#"{"model":"sim-model","prompt":"hello","max_tokens":2}"#;

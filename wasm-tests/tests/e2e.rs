@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use serde_json::{json, Value};
-use wasm_tests::envoy::{envoy_binary, repo_root, Envoy, GatewayConfig};
+use wasm_tests::envoy::{have_envoy, repo_root, Envoy, GatewayConfig};
 use wasm_tests::fleet::{Fleet, FleetConfig, Timing, MODEL};
 
 const CHAT: &str = "/v1/chat/completions";
@@ -33,17 +33,6 @@ fn wasm_path() -> PathBuf {
         p.display()
     );
     p
-}
-
-fn have_envoy() -> bool {
-    match envoy_binary() {
-        Ok(_) => true,
-        Err(e) if std::env::var_os("TOKENAWARE_REQUIRE_ENVOY").is_none() => {
-            eprintln!("skipping: {e}");
-            false
-        }
-        Err(e) => panic!("{e}"),
-    }
 }
 
 struct Gateway {

@@ -5,19 +5,8 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use wasm_tests::envoy::{envoy_binary, Envoy, GatewayConfig};
+use wasm_tests::envoy::{have_envoy, Envoy, GatewayConfig};
 use wasm_tests::fleet::{Fleet, FleetConfig, Timing};
-
-fn have_envoy() -> bool {
-    match envoy_binary() {
-        Ok(_) => true,
-        Err(e) if std::env::var_os("TOKENAWARE_REQUIRE_ENVOY").is_none() => {
-            eprintln!("skipping: {e}");
-            false
-        }
-        Err(e) => panic!("{e}"),
-    }
-}
 
 #[tokio::test]
 async fn override_host_header_and_round_robin_fallback() {
