@@ -65,7 +65,7 @@ fn measure(label: &str, system_bytes: usize, iterations: usize) {
         let routed = router.route(&store, &table.endpoints, &chain, tokens, i as u64);
         let elapsed = t.elapsed();
         if let Ok(mut r) = routed {
-            let _ = router.first_byte(&store, &mut r);
+            let _ = router.first_byte(&store, &mut r, 0);
             let _ = router.finish(&store, &mut r, Outcome::Done);
         }
         if i >= 200 {

@@ -8,6 +8,11 @@
 //!
 //!     cargo run --release --example simulate -- --policy tokenaware --rate 60
 //!     cargo run --release --example simulate -- --tau-sweep 25000:1000000:25000 --rate 60
+//!     cargo run --release --example simulate -- --policy tokenaware --router-prefill-rate 81920 --learn on
+//!
+//! With `--router-prefill-rate`, `--learn on` or `--ttft-source latency` the router is
+//! configured as an operator would: R_peak (what it is told, or `"auto"` starting there) and
+//! T_max = τ / the fleet's R_peak (14 s by default), instead of τ directly.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
@@ -16,7 +21,9 @@ use std::sync::Mutex;
 use clap::Parser;
 use rand::rngs::SmallRng;
 use rand::{Rng, RngCore, SeedableRng};
-use tokenaware::config::{Config, EndpointConfig, GateForm, PolicyName};
+use tokenaware::config::{
+    Config, EndpointConfig, GateForm, PeakPrefill, Picker, PolicyName, Scorer, TtftSource,
+};
 use tokenaware::endpoints::EndpointTable;
 use tokenaware::policy::Reason;
 use tokenaware::prefix::{chain_seed, BlockHasher};
@@ -77,6 +84,35 @@ struct Args {
     /// One JSON object per line instead of a table.
     #[arg(long)]
     json: bool,
+    /// R_peak the router is told, tokens/s (default: the fleet's --prefill-rate).
+    #[arg(long)]
+    router_prefill_rate: Option<f64>,
+    /// Learn R_peak per endpoint from observed TTFTs (`peakPrefillThroughput: "auto"`,
+    /// starting from --router-prefill-rate), and correct the index from cached tokens.
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    learn: String,
+    /// Source of the gate's TTFT: prefill (queued tokens / R_peak) or latency (the learned
+    /// predictor, with the latency scorer and the weighted-random picker).
+    #[arg(long, default_value = "prefill", value_parser = ["prefill", "latency"])]
+    ttft_source: String,
+    /// Half the fleet (the first half) prefills at half --prefill-rate.
+    #[arg(long)]
+    slow_half: bool,
+}
+
+impl Args {
+    /// The router is configured by R_peak and T_max rather than by τ.
+    fn operator_config(&self) -> bool {
+        self.router_prefill_rate.is_some() || self.learn == "on" || self.ttft_source == "latency"
+    }
+
+    fn endpoint_rate(&self, e: usize) -> f64 {
+        if self.slow_half && e < self.endpoints / 2 {
+            self.prefill_rate / 2.0
+        } else {
+            self.prefill_rate
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -93,6 +129,9 @@ struct Outcomes {
     hits: u64,
     last_done: f64,
     reasons: [u64; Reason::ALL.len()],
+    /// Per endpoint: |R̂ − R| / R after its 200th TTFT sample, and at the end.
+    rate_err_at_200: Vec<f64>,
+    rate_err_end: Vec<f64>,
 }
 
 /// One endpoint's truth: a FIFO of waiting requests and an LRU of whole prefixes.
@@ -108,6 +147,8 @@ struct Request {
     group: usize,
     routed: Option<Routed>,
     endpoint: usize,
+    /// Its prefix was in the endpoint's cache when its prefill started.
+    hit: bool,
 }
 
 /// Events ordered by time (then sequence, for determinism).
@@ -174,14 +215,45 @@ fn kv_tokens(a: &Args) -> u64 {
 
 fn config(a: &Args, r: Run) -> Config {
     let kv = a.index_kv_tokens.unwrap_or(kv_tokens(a));
+    let told = a.router_prefill_rate.unwrap_or(a.prefill_rate);
+    let latency = a.ttft_source == "latency";
+    let (tau, peak, t_max_ms) = if a.operator_config() {
+        let peak = if a.learn == "on" {
+            PeakPrefill::Auto {
+                initial: Some(told),
+            }
+        } else {
+            PeakPrefill::TokensPerSecond(told)
+        };
+        (None, Some(peak), r.tau as f64 / a.prefill_rate * 1000.0)
+    } else {
+        (Some(r.tau), None, Config::default().max_ttft_penalty_ms)
+    };
     Config {
+        peak_prefill_throughput: peak,
+        max_ttft_penalty_ms: t_max_ms,
+        ttft_source: if latency {
+            TtftSource::LatencyPredictor
+        } else {
+            TtftSource::PrefillThroughput
+        },
+        scorer: if latency {
+            Scorer::Latency
+        } else {
+            Scorer::TokenLoad
+        },
+        picker: if latency {
+            Picker::WeightedRandom
+        } else {
+            Picker::MaxScore
+        },
         policy: r.policy,
         gate: if a.gate == "relative" {
             GateForm::Relative
         } else {
             GateForm::Absolute
         },
-        tau: Some(r.tau),
+        tau,
         kv_capacity_tokens: kv,
         max_endpoints: a.endpoints as u32,
         endpoints: (0..a.endpoints)
@@ -211,10 +283,14 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
             group: g,
             routed: None,
             endpoint: 0,
+            hit: false,
         });
         events.push(Reverse((Time(t), Event::Arrival(i))));
     }
-    let mut out = Outcomes::default();
+    let mut out = Outcomes {
+        rate_err_at_200: vec![f64::NAN; a.endpoints],
+        ..Outcomes::default()
+    };
     let mut qrng = SmallRng::seed_from_u64(r.seed.wrapping_mul(31));
     let mut question = vec![0u8; w.question_bytes];
     let tokens = a.prefix_tokens + a.question_tokens;
@@ -249,17 +325,39 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
             Event::PrefillDone(i) => {
                 out.ttft.push(now - reqs[i].arrival);
                 out.last_done = now;
-                if let Some(mut r) = reqs[i].routed.take() {
-                    let _ = router.first_byte(&store, &mut r);
-                    let _ = router.finish(&store, &mut r, Outcome::Done);
-                }
                 let e = reqs[i].endpoint;
+                if let Some(mut r) = reqs[i].routed.take() {
+                    let _ = router.first_byte(&store, &mut r, now_ms);
+                    let cached = if reqs[i].hit { a.prefix_tokens } else { 0 };
+                    let _ = router.observe_usage(&store, &r, "", 0, tokens, Some(cached));
+                    let _ = router.finish(&store, &mut r, Outcome::Done);
+                    let slot = table.endpoints[e].slot;
+                    if let Ok(est) = router.estimator.read(&store, slot) {
+                        if est.total == 200 {
+                            out.rate_err_at_200[e] = rate_error(a, e, est.rate);
+                        }
+                    }
+                }
                 servers[e].busy = false;
                 start_next(a, &mut servers[e], &mut reqs, &mut events, &mut out, now);
             }
         }
     }
+    out.rate_err_end = table
+        .endpoints
+        .iter()
+        .enumerate()
+        .filter_map(|(e, x)| {
+            let est = router.estimator.read(&store, x.slot).ok()?;
+            Some(rate_error(a, e, est.rate))
+        })
+        .collect();
     out
+}
+
+fn rate_error(a: &Args, e: usize, estimate: f64) -> f64 {
+    let truth = a.endpoint_rate(e);
+    (estimate - truth).abs() / truth
 }
 
 /// Starts the next queued prefill: the cache is consulted (and updated) when prefill starts.
@@ -286,10 +384,11 @@ fn start_next(
     let kv = (kv_tokens(a) / a.prefix_tokens.max(1)).max(1) as usize;
     s.cache.truncate(kv);
     out.hits += u64::from(hit);
+    reqs[i].hit = hit;
     let work = a.question_tokens + if hit { 0 } else { a.prefix_tokens };
     s.busy = true;
     events.push(Reverse((
-        Time(now + work as f64 / a.prefill_rate),
+        Time(now + work as f64 / a.endpoint_rate(reqs[i].endpoint)),
         Event::PrefillDone(i),
     )));
 }
@@ -415,6 +514,10 @@ struct Summary {
     completed: f64,
     rps: f64,
     reasons: [f64; Reason::ALL.len()],
+    /// Worst |R̂ − R| / R over endpoints after their 200th sample (NaN: none got 200), and
+    /// at the end of the run.
+    rate_err_200: f64,
+    rate_err_end: f64,
 }
 
 fn summarize(mut o: Outcomes) -> Summary {
@@ -432,7 +535,17 @@ fn summarize(mut o: Outcomes) -> Summary {
         completed: n as f64,
         rps: n as f64 / o.last_done.max(f64::MIN_POSITIVE),
         reasons,
+        rate_err_200: worst(&o.rate_err_at_200),
+        rate_err_end: worst(&o.rate_err_end),
     }
+}
+
+fn worst(v: &[f64]) -> f64 {
+    v.iter()
+        .copied()
+        .filter(|x| x.is_finite())
+        .reduce(f64::max)
+        .unwrap_or(f64::NAN)
 }
 
 fn mean(s: &[Summary]) -> Summary {
@@ -450,6 +563,8 @@ fn mean(s: &[Summary]) -> Summary {
         completed: avg(|x| x.completed),
         rps: avg(|x| x.rps),
         reasons,
+        rate_err_200: avg(|x| x.rate_err_200),
+        rate_err_end: avg(|x| x.rate_err_end),
     }
 }
 
@@ -462,8 +577,8 @@ fn report(a: &Args, run: &Run, o: &Summary) {
     let (hit, p50, p90, p99, n, rps) = (o.hit, o.p50, o.p90, o.p99, o.completed, o.rps);
     if a.json {
         println!(
-            "{{\"policy\":\"{name}\",\"gate\":\"{gate}\",\"rate\":{},\"tau\":{},\"seeds\":{},\"hit_rate\":{hit:.4},\"ttft_p50_s\":{p50:.3},\"ttft_p90_s\":{p90:.3},\"ttft_p99_s\":{p99:.3},\"completed\":{n:.0},\"throughput_rps\":{rps:.3}}}",
-            run.rate, run.tau, a.seeds.max(1)
+            "{{\"policy\":\"{name}\",\"gate\":\"{gate}\",\"rate\":{},\"tau\":{},\"seeds\":{},\"hit_rate\":{hit:.4},\"ttft_p50_s\":{p50:.3},\"ttft_p90_s\":{p90:.3},\"ttft_p99_s\":{p99:.3},\"completed\":{n:.0},\"throughput_rps\":{rps:.3},\"rate_err_at_200\":{},\"rate_err_end\":{}}}",
+            run.rate, run.tau, a.seeds.max(1), json_num(o.rate_err_200), json_num(o.rate_err_end)
         );
         return;
     }
@@ -478,11 +593,28 @@ fn report(a: &Args, run: &Run, o: &Summary) {
     } else {
         format!("{name}/{gate}")
     };
+    let learned = if a.learn == "on" || a.ttft_source == "latency" {
+        format!(
+            "  R̂ err@200 {:.1}% end {:.1}%",
+            o.rate_err_200 * 100.0,
+            o.rate_err_end * 100.0
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "{label:<32} {:>6} {:>9} {:>6.1}% {p50:>9.3} {p90:>9.3} {p99:>9.3} {n:>9.0} {rps:>8.2}  {}",
+        "{label:<32} {:>6} {:>9} {:>6.1}% {p50:>9.3} {p90:>9.3} {p99:>9.3} {n:>9.0} {rps:>8.2}  {}{learned}",
         run.rate,
         run.tau,
         hit * 100.0,
         reasons.join(" ")
     );
+}
+
+fn json_num(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.4}")
+    } else {
+        "null".into()
+    }
 }

@@ -74,6 +74,64 @@ pub enum Scorer {
     TokenLoad,
     /// Decode-bound traffic: active requests, then token cost.
     ActiveRequest,
+    /// Unknown or shifting bottleneck: predicted TTFT (the learned predictor's).
+    Latency,
+}
+
+/// How the final pick is made among the scored endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Picker {
+    /// The best score (llm-d's max-score-picker); ties rotate.
+    MaxScore,
+    /// Weighted random by score (llm-d's weighted-random-picker): spreads load within the set.
+    WeightedRandom,
+}
+
+/// Where the affinity gate's TTFT comes from (llm-d's `ttftSource`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum TtftSource {
+    /// Queued uncached tokens over R_peak.
+    PrefillThroughput,
+    /// The TTFT predictor learned in-line from observed first-byte times.
+    LatencyPredictor,
+}
+
+/// `peakPrefillThroughput`: tokens per second; or `"auto"` to learn it per endpoint,
+/// starting from the preset (or llm-d's default); or `{"auto": 20480}` to learn it starting
+/// from the given value.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PeakPrefill {
+    TokensPerSecond(f64),
+    Auto { initial: Option<f64> },
+}
+
+impl<'de> Deserialize<'de> for PeakPrefill {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct AutoFrom {
+            auto: f64,
+        }
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(f64),
+            Text(String),
+            Object(AutoFrom),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Number(x) => Ok(PeakPrefill::TokensPerSecond(x)),
+            Raw::Object(a) => Ok(PeakPrefill::Auto {
+                initial: Some(a.auto),
+            }),
+            Raw::Text(t) if t == "auto" => Ok(PeakPrefill::Auto { initial: None }),
+            Raw::Text(t) => Err(serde::de::Error::custom(format!(
+                "{t:?}: expected tokens per second or \"auto\""
+            ))),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -122,8 +180,11 @@ pub struct Config {
     pub scorer: Scorer,
     /// Match ratio at or above which an endpoint is warm.
     pub affinity_threshold: f64,
-    /// R_peak, prefill tokens per second per endpoint.
-    pub peak_prefill_throughput: Option<f64>,
+    /// R_peak, prefill tokens per second per endpoint, or `"auto"` (learned per endpoint).
+    pub peak_prefill_throughput: Option<PeakPrefill>,
+    /// Source of the affinity gate's TTFT.
+    pub ttft_source: TtftSource,
+    pub picker: Picker,
     /// Name of a calibrated preset supplying R_peak when it is not given.
     pub preset: Option<String>,
     /// T_max: tolerated TTFT penalty, ms. τ = R_peak × T_max.
@@ -185,6 +246,8 @@ impl Default for Config {
             scorer: Scorer::TokenLoad,
             affinity_threshold: 0.8,
             peak_prefill_throughput: None,
+            ttft_source: TtftSource::PrefillThroughput,
+            picker: Picker::MaxScore,
             preset: None,
             max_ttft_penalty_ms: 18_000.0,
             tau: None,
@@ -295,7 +358,13 @@ impl Config {
             86_400.0,
         )?;
         check_range("indexHeadroom", self.index_headroom, 1.0, 16.0)?;
-        if let Some(r) = self.peak_prefill_throughput {
+        if let Some(
+            PeakPrefill::TokensPerSecond(r)
+            | PeakPrefill::Auto {
+                initial: Some(r), ..
+            },
+        ) = self.peak_prefill_throughput
+        {
             check_range("peakPrefillThroughput", r, 1.0, 1e9)?;
         }
         if let Some(t) = self.tau {
@@ -370,9 +439,16 @@ impl Config {
         Ok(())
     }
 
-    /// R_peak in tokens/s: explicit value, else the preset's, else llm-d's default.
+    /// R_peak in tokens/s: explicit value, else the preset's, else llm-d's default. With
+    /// `"auto"` this is the starting point the estimator learns from.
     pub fn peak_prefill(&self) -> f64 {
-        self.peak_prefill_throughput
+        let explicit = match self.peak_prefill_throughput {
+            Some(PeakPrefill::TokensPerSecond(r) | PeakPrefill::Auto { initial: Some(r) }) => {
+                Some(r)
+            }
+            _ => None,
+        };
+        explicit
             .or_else(|| {
                 self.preset
                     .as_deref()
@@ -380,6 +456,13 @@ impl Config {
                     .map(|p| p.peak_prefill_tokens_per_s)
             })
             .unwrap_or(DEFAULT_PEAK_PREFILL)
+    }
+
+    /// Routing uses per-endpoint learned estimates (R_peak `"auto"`, or the latency
+    /// predictor as the TTFT source).
+    pub fn learns(&self) -> bool {
+        matches!(self.peak_prefill_throughput, Some(PeakPrefill::Auto { .. }))
+            || self.ttft_source == TtftSource::LatencyPredictor
     }
 
     /// τ in tokens: given directly, or R_peak × T_max.
@@ -473,6 +556,32 @@ mod tests {
         assert_eq!(e.field, "endpoints[0].address");
         let e = Config::from_json(b"").unwrap_err();
         assert_eq!(e.field, "endpoints");
+    }
+
+    #[test]
+    fn auto_rate_and_latency_configuration() {
+        let c = Config::from_json(
+            with_endpoints(
+                r#","peakPrefillThroughput":"auto","preset":"qwen3-32b-h100-tp2","ttftSource":"latencyPredictor","scorer":"latency","picker":"weighted-random""#,
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        assert!(c.learns());
+        assert_eq!(c.peak_prefill(), 15_928.0);
+        assert_eq!(c.picker, Picker::WeightedRandom);
+        let e = Config::from_json(with_endpoints(r#","peakPrefillThroughput":"fast""#).as_bytes())
+            .unwrap_err();
+        assert_eq!(e.field, "peakPrefillThroughput");
+        let c = Config::from_json(
+            with_endpoints(r#","peakPrefillThroughput":{"auto":5000}"#).as_bytes(),
+        )
+        .unwrap();
+        assert!(c.learns());
+        assert_eq!(c.peak_prefill(), 5_000.0);
+        assert!(!Config::from_json(with_endpoints("").as_bytes())
+            .unwrap()
+            .learns());
     }
 
     #[test]

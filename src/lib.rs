@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod endpoints;
+pub mod estimator;
 pub mod filter;
 pub mod index;
 pub mod ledger;

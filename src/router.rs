@@ -3,10 +3,11 @@
 //! record the prefix in the index at pick time. Also the request's later life: first byte,
 //! end, failure. The simulator and the filter both call this; neither has its own policy.
 
-use crate::config::Config;
+use crate::config::{Config, TtftSource};
 use crate::endpoints::Endpoint;
+use crate::estimator::{CacheCheck, Estimate, Estimator, TtftSample};
 use crate::index::{AffinityIndex, InsertReceipt};
-use crate::ledger::{blend, Charge, LoadLedger};
+use crate::ledger::{blend, Charge, Load, LoadLedger};
 use crate::policy::{self, Ask, Candidate, Decision, Params, Policy};
 use crate::prefix::{chain_seed, hash_prompt, BlockChain};
 use crate::request::InferenceRequest;
@@ -45,6 +46,14 @@ pub struct Routed {
     /// Prompt tokens and the ones the picked endpoint must prefill.
     pub tokens: u64,
     pub uncached: u64,
+    /// The picked endpoint's load at dispatch (real tokens), for the TTFT estimate.
+    pub ahead: Load,
+    pub dispatch_ms: u64,
+    /// Capacity of the picked endpoint in blocks before the cache correction.
+    pub capacity_blocks: u64,
+    /// Its first byte is its first token (a streamed answer): a TTFT sample. A
+    /// non-streamed answer's first byte comes after the whole generation.
+    pub ttft_sample: bool,
     first_byte_seen: bool,
 }
 
@@ -64,6 +73,9 @@ pub struct Router {
     policy: Box<dyn Policy>,
     pub index: AffinityIndex,
     pub ledger: LoadLedger,
+    pub estimator: Estimator,
+    /// Params with τ from the learned rates, when they moved enough to matter.
+    relearned: Option<Params>,
     seq: u64,
 }
 
@@ -77,7 +89,10 @@ impl Router {
             cfg.index_headroom,
         );
         let ledger = LoadLedger::new(&cfg.namespace, cfg.request_ttl_seconds);
+        let estimator = Estimator::new(&cfg.namespace, cfg.peak_prefill(), cfg.bytes_per_token);
         Router {
+            estimator,
+            relearned: None,
             policy: policy::build(cfg.policy, params),
             params,
             index,
@@ -105,7 +120,13 @@ impl Router {
         eps: &[Endpoint],
     ) -> Result<(), StoreError> {
         for e in eps {
-            self.index.set_capacity(s, e.slot, e.capacity_blocks)?;
+            let blocks = if self.cfg.learns() {
+                let share = self.estimator.read(s, e.slot)?.capacity_share;
+                ((e.capacity_blocks as f64 * share) as u64).max(1)
+            } else {
+                e.capacity_blocks
+            };
+            self.index.set_capacity(s, e.slot, blocks)?;
         }
         Ok(())
     }
@@ -113,6 +134,7 @@ impl Router {
     /// Forgets a removed (or cold-restarted) endpoint's index entries and load.
     pub fn clear_slot<S: SharedStore + ?Sized>(&self, s: &S, slot: u16) -> Result<(), StoreError> {
         self.index.clear_endpoint(s, slot)?;
+        self.estimator.clear(s, slot)?;
         self.ledger.clear(s, slot)
     }
 
@@ -122,6 +144,17 @@ impl Router {
             Some(n) => n,
             None => (req.prompt.len() as f64 / self.cfg.bytes_per_token).ceil() as u64,
         }
+    }
+
+    /// Prompt tokens with the learned bytes per token of the request's model (when the
+    /// configuration learns), else as `prompt_tokens`.
+    pub fn estimate_tokens<S: SharedStore + ?Sized>(&self, s: &S, req: &InferenceRequest) -> u64 {
+        if let (None, true) = (req.prompt_token_ids, self.cfg.learns()) {
+            if let Ok(bpt) = self.estimator.bytes_per_token(s, &req.model) {
+                return (req.prompt.len() as f64 / bpt).ceil() as u64;
+            }
+        }
+        self.prompt_tokens(req)
     }
 
     pub fn hash(&self, req: &InferenceRequest) -> BlockChain {
@@ -149,7 +182,7 @@ impl Router {
             return Err(RouteError::NoEndpoints);
         }
         let s = &ReadCache::new(s);
-        let fleet = self.candidates(s, &healthy, chain, tokens, now_ms)?;
+        let (fleet, raw) = self.candidates(s, &healthy, chain, tokens, now_ms)?;
         let ask = Ask {
             tokens,
             chain: &chain.hashes,
@@ -160,6 +193,11 @@ impl Router {
             .policy
             .pick(&ask, &fleet, self.seq)
             .ok_or(RouteError::NoEndpoints)?;
+        if let Some(p) = self.relearned.take() {
+            // τ moved with the learned rate: the next decision uses it.
+            self.params = p;
+            self.policy = policy::build(self.cfg.policy, p);
+        }
         let picked = healthy
             .get(decision.endpoint)
             .ok_or(RouteError::NoEndpoints)?;
@@ -185,24 +223,29 @@ impl Router {
             .filter_map(|i| healthy.get(i).map(|e| e.address.clone()))
             .collect();
         Ok(Routed {
+            ahead: raw.get(decision.endpoint).copied().unwrap_or_default(),
             decision,
             addresses,
             charge,
             receipt,
             tokens,
             uncached,
+            dispatch_ms: now_ms,
+            capacity_blocks: picked.capacity_blocks,
+            ttft_sample: true,
             first_byte_seen: false,
         })
     }
 
+    /// The candidates as the policy sees them, and each one's load in real tokens.
     fn candidates<S: SharedStore + ?Sized>(
-        &self,
+        &mut self,
         s: &S,
         healthy: &[&Endpoint],
         chain: &BlockChain,
         tokens: u64,
         now_ms: u64,
-    ) -> Result<Vec<Candidate>, StoreError> {
+    ) -> Result<(Vec<Candidate>, Vec<Load>), StoreError> {
         let stale = self
             .cfg
             .metrics
@@ -214,28 +257,142 @@ impl Router {
             .map(|e| {
                 let m = self.index.matched(s, e.slot, &chain.hashes)?;
                 let (local, work_per_s) = self.ledger.read(s, e.slot, now_ms)?;
-                Ok(Candidate {
+                let raw = blend(local, e.scraped(now_ms, stale), tokens);
+                let est = match self.cfg.learns() {
+                    true => Some(self.estimator.read(s, e.slot)?),
+                    false => None,
+                };
+                let c = Candidate {
                     id: e.id(),
                     matched_blocks: m.blocks,
-                    load: blend(local, e.scraped(now_ms, stale), tokens),
+                    load: raw,
                     clock: m.clock,
                     capacity: m.capacity,
                     heads: m.heads,
                     work_per_s,
                     recalled: m.recalled,
-                })
+                    speed: 1.0,
+                };
+                Ok(((c, est), raw))
+            })
+            .collect::<Result<Vec<_>, StoreError>>()
+            .map(|v| {
+                let (with_est, raw): (Vec<_>, Vec<Load>) = v.into_iter().unzip();
+                (self.in_reference_tokens(with_est), raw)
+            })
+    }
+
+    /// With learned estimates, an endpoint's queue counts as its predicted wait times the
+    /// reference rate: the mean learned R̂ of the candidates (self-calibrating τ =
+    /// mean R̂ × T_max), or the configured R_peak when `tau` is given directly. τ then means
+    /// "T_max of predicted wait" on every endpoint, fast or slow; with the latency predictor
+    /// the wait includes the fixed overhead and what the running batch adds.
+    fn in_reference_tokens(
+        &mut self,
+        with_est: Vec<(Candidate, Option<Estimate>)>,
+    ) -> Vec<Candidate> {
+        if with_est.iter().all(|(_, e)| e.is_none()) {
+            return with_est.into_iter().map(|(c, _)| c).collect();
+        }
+        // Endpoints still on the prior count at the learned mean: an endpoint made to look
+        // slow by a wrong prior would get no traffic and so never learn.
+        let learned: Vec<f64> = with_est
+            .iter()
+            .filter_map(|(_, e)| e.filter(|e| e.learned).map(|e| e.rate))
+            .collect();
+        let mean = match learned.len() {
+            0 => self.estimator.prior_rate,
+            n => learned.iter().sum::<f64>() / n as f64,
+        };
+        let reference = match self.cfg.tau {
+            Some(_) => self.estimator.prior_rate,
+            None => mean,
+        };
+        let tau = reference * self.cfg.max_ttft_penalty_ms / 1000.0;
+        if self.cfg.tau.is_none() && (tau - self.params.tau).abs() > 0.01 * self.params.tau {
+            self.relearned = Some(Params { tau, ..self.params });
+        }
+        let latency = self.cfg.ttft_source == TtftSource::LatencyPredictor;
+        with_est
+            .into_iter()
+            .map(|(c, est)| {
+                let Some(mut est) = est else { return c };
+                if !est.learned {
+                    est.rate = mean;
+                }
+                let wait_s = if latency {
+                    est.ttft_s(c.load.tokens, c.load.requests)
+                } else {
+                    c.load.tokens as f64 / est.rate
+                };
+                Candidate {
+                    load: Load {
+                        tokens: (wait_s * reference) as u64,
+                        ..c.load
+                    },
+                    speed: est.rate / reference,
+                    ..c
+                }
             })
             .collect()
     }
 
-    /// The first response byte: the prompt is prefilled.
+    /// The first response byte: the prompt is prefilled. A streamed answer's first byte is
+    /// also a TTFT sample for the endpoint's estimates.
     pub fn first_byte<S: SharedStore + ?Sized>(
         &self,
         s: &S,
         r: &mut Routed,
+        now_ms: u64,
     ) -> Result<(), StoreError> {
+        if r.first_byte_seen {
+            return Ok(());
+        }
         r.first_byte_seen = true;
-        self.ledger.release_prefill(s, &mut r.charge)
+        let released = self.ledger.release_prefill(s, &mut r.charge);
+        if r.ttft_sample {
+            let sample = TtftSample {
+                dispatch_ms: r.dispatch_ms,
+                first_byte_ms: now_ms,
+                ahead: r.ahead.tokens,
+                uncached: r.uncached,
+                active: r.ahead.requests,
+            };
+            self.estimator.observe_ttft(s, r.charge.slot, &sample)?;
+        }
+        released
+    }
+
+    /// `usage` of the answer: the served prompt tokens (against `prompt_bytes` of canonical
+    /// prompt, 0 when the client sent token ids) and the tokens the server found cached.
+    /// A predicted hit that missed lowers the capacity the index assumes for the endpoint.
+    pub fn observe_usage<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        r: &Routed,
+        model: &str,
+        prompt_bytes: u64,
+        prompt_tokens: u64,
+        cached_tokens: Option<u64>,
+    ) -> Result<CacheCheck, StoreError> {
+        self.estimator
+            .observe_bytes_per_token(s, model, prompt_bytes, prompt_tokens)?;
+        let Some(cached) = cached_tokens else {
+            return Ok(CacheCheck::NotPredicted);
+        };
+        let predicted = r.tokens.saturating_sub(r.uncached);
+        let (check, share) = self.estimator.observe_cache(
+            s,
+            r.charge.slot,
+            predicted,
+            cached,
+            u64::from(self.cfg.block_size_tokens),
+        )?;
+        if let (Some(share), true) = (share, self.cfg.learns()) {
+            let blocks = ((r.capacity_blocks as f64 * share) as u64).max(1);
+            self.index.set_capacity(s, r.charge.slot, blocks)?;
+        }
+        Ok(check)
     }
 
     /// The request ended. Idempotent.
@@ -303,7 +460,7 @@ mod tests {
         assert_eq!(open[1].decision.reason, policy::Reason::Sticky);
         assert_eq!(open[0].addresses.len(), 3);
         for o in open.iter_mut() {
-            r.first_byte(&s, o).unwrap();
+            r.first_byte(&s, o, 10).unwrap();
             r.finish(&s, o, Outcome::Done).unwrap();
         }
         for e in &t.endpoints {
@@ -338,6 +495,33 @@ mod tests {
         t.endpoints[2].healthy = true;
         let routed = r.route(&s, &t.endpoints, &chain, 10, 0).unwrap();
         assert_eq!(routed.addresses, vec!["127.0.0.1:8003".to_string()]);
+    }
+
+    #[test]
+    fn learning_samples_first_bytes_and_shrinks_capacity_on_misses() {
+        let (mut r, t, s) = router(r#","peakPrefillThroughput":"auto""#);
+        let req = chat(&"x".repeat(40_000), "q");
+        let chain = r.hash(&req);
+        let mut first = r.route(&s, &t.endpoints, &chain, 10_000, 0).unwrap();
+        let slot = first.charge.slot;
+        r.first_byte(&s, &mut first, 500).unwrap();
+        r.first_byte(&s, &mut first, 900).unwrap(); // a second call is no second sample
+        r.finish(&s, &mut first, Outcome::Done).unwrap();
+        assert_eq!(r.estimator.read(&s, slot).unwrap().total, 1);
+        let mut second = r.route(&s, &t.endpoints, &chain, 10_000, 1_000).unwrap();
+        assert_eq!(second.charge.slot, slot);
+        assert!(second.tokens > second.uncached, "a predicted hit");
+        let before = r.index.matched(&s, slot, &[]).unwrap().capacity;
+        let check = r
+            .observe_usage(&s, &second, "m", 40_000, 10_000, Some(0))
+            .unwrap();
+        assert_eq!(check, CacheCheck::Missed);
+        assert!(r.index.matched(&s, slot, &[]).unwrap().capacity < before);
+        second.ttft_sample = false; // a non-streamed answer: its first byte is no TTFT
+        r.first_byte(&s, &mut second, 5_000).unwrap();
+        assert_eq!(r.estimator.read(&s, slot).unwrap().total, 1);
+        r.finish(&s, &mut second, Outcome::Done).unwrap();
+        assert_eq!(r.ledger.load(&s, slot, 6_000).unwrap(), Default::default());
     }
 
     #[test]

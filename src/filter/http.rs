@@ -14,6 +14,7 @@ use super::host::{Host, HostError};
 use super::stats::{Counter, Fallback};
 use super::usage;
 use super::vm::Vm;
+use crate::estimator::CacheCheck;
 use crate::request::{parse, ApiKind, ParseLimits};
 use crate::router::{Outcome, RouteError, Routed};
 
@@ -50,6 +51,9 @@ pub struct HttpFilter {
     failed_early: bool,
     /// Last bytes of the response body, for `usage`.
     tail: Vec<u8>,
+    /// The request's model and canonical prompt bytes (0 for token ids), for what `usage`
+    /// teaches about bytes per token.
+    prompt_shape: (String, u64),
 }
 
 impl HttpFilter {
@@ -63,6 +67,7 @@ impl HttpFilter {
             first_byte: false,
             failed_early: false,
             tail: Vec::new(),
+            prompt_shape: (String::new(), 0),
         }
     }
 
@@ -238,8 +243,24 @@ impl HttpFilter {
         }
         if let Some(u) = usage::scan(&self.tail) {
             vm.stats.add(h, Counter::UsagePromptTokens, u.prompt_tokens);
-            vm.stats.add(h, Counter::UsageCachedTokens, u.cached_tokens);
+            vm.stats
+                .add(h, Counter::UsageCachedTokens, u.cached_tokens.unwrap_or(0));
             vm.stats.token_estimate(h, u.prompt_tokens, routed.tokens);
+            self.learn_from_usage(h, &vm, &routed, u);
+        }
+    }
+
+    /// Feeds `usage` to the estimates (bytes per token, the cache check).
+    fn learn_from_usage<H: Host>(&self, h: &H, vm: &Vm, routed: &Routed, u: usage::Usage) {
+        let Ok(r) = vm.router.try_borrow() else {
+            return;
+        };
+        let (model, bytes) = &self.prompt_shape;
+        match r.observe_usage(h, routed, model, *bytes, u.prompt_tokens, u.cached_tokens) {
+            Ok(CacheCheck::Missed) => vm.stats.inc(h, Counter::CacheMisses),
+            Ok(CacheCheck::Held) => vm.stats.inc(h, Counter::CacheHeld),
+            Ok(CacheCheck::NotPredicted) => {}
+            Err(_) => vm.stats.inc(h, Counter::ReleaseErrors),
         }
     }
 
@@ -249,7 +270,10 @@ impl HttpFilter {
             return;
         };
         let ok = match vm.router.try_borrow() {
-            Ok(r) => r.first_byte(h, routed).is_ok(),
+            Ok(r) => match h.now_ms() {
+                Ok(now) => r.first_byte(h, routed, now).is_ok(),
+                Err(_) => false,
+            },
             Err(_) => false,
         };
         if !ok {
@@ -287,7 +311,7 @@ impl HttpFilter {
 
     /// Reads and parses the body, picks, charges the tables and sets the header; on any
     /// failure nothing stays charged.
-    fn route<H: Host>(&self, h: &H, vm: &Vm, kind: ApiKind) -> Result<Routed, Fallback> {
+    fn route<H: Host>(&mut self, h: &H, vm: &Vm, kind: ApiKind) -> Result<Routed, Fallback> {
         if self.body_size == 0 {
             return Err(Fallback::NoBody);
         }
@@ -302,7 +326,7 @@ impl HttpFilter {
             max_body_bytes: usize::try_from(vm.cfg.max_body_bytes).unwrap_or(usize::MAX),
             ..ParseLimits::default()
         };
-        let req = parse(kind, &body, &limits).map_err(Fallback::from_parse)?;
+        let mut req = parse(kind, &body, &limits).map_err(Fallback::from_parse)?;
         drop(body);
         let now = h.now_ms().map_err(|e| internal("reading the clock", e))?;
         let table = vm.table(h);
@@ -311,7 +335,13 @@ impl HttpFilter {
             .try_borrow_mut()
             .map_err(|_| internal("router", HostError::Internal))?;
         let chain = router.hash(&req);
-        let tokens = router.prompt_tokens(&req);
+        let tokens = router.estimate_tokens(h, &req);
+        let bytes = match req.prompt_token_ids {
+            Some(_) => 0,
+            None => req.prompt.len() as u64,
+        };
+        let stream = req.stream;
+        self.prompt_shape = (std::mem::take(&mut req.model), bytes);
         drop(req);
         let mut routed = router
             .route(h, &table.endpoints, &chain, tokens, now)
@@ -319,6 +349,7 @@ impl HttpFilter {
                 RouteError::NoEndpoints => Fallback::NoEndpoints,
                 RouteError::Store => Fallback::Store,
             })?;
+        routed.ttft_sample = stream;
         if let Err(e) = h.set_request_header(DESTINATION, &routed.addresses.join(",")) {
             let _ = router.finish(h, &mut routed, Outcome::FailedEarly);
             return Err(internal("setting the destination", e));

@@ -18,6 +18,7 @@ use super::stats::{endpoint_gauge_name, Counter};
 use super::vm::Vm;
 use crate::config::{Config, ConfigError};
 use crate::endpoints::{Changes, EndpointTable};
+use crate::estimator::Estimate;
 use crate::prometheus::{parse_metrics, ServerMetrics};
 use crate::store::{update, StoreError};
 
@@ -69,7 +70,8 @@ pub struct Root {
     failures: HashMap<String, u32>,
     /// Endpoints Envoy reports unhealthy (discovery).
     envoy_down: HashSet<String>,
-    gauges: HashMap<u16, u32>,
+    /// Gauge ids by metric name.
+    gauges: HashMap<String, u32>,
 }
 
 impl Root {
@@ -356,7 +358,7 @@ impl Root {
             let _ = router.sync_capacities(h, &table.endpoints);
         }
         for slot in removed {
-            if let Some(id) = self.gauges.get(&slot) {
+            if let Some(id) = self.gauges.get(&endpoint_gauge_name(slot)) {
                 let _ = h.record_metric(*id, 0);
             }
         }
@@ -409,27 +411,51 @@ impl Root {
         Ok(out)
     }
 
+    fn gauge<H: Host>(&mut self, h: &H, name: String) -> Option<u32> {
+        if let Some(id) = self.gauges.get(&name) {
+            return Some(*id);
+        }
+        let id = h.define_metric(MetricKind::Gauge, &name).ok()?;
+        self.gauges.insert(name, id);
+        Some(id)
+    }
+
     fn record_gauges<H: Host>(&mut self, h: &H, now: u64) {
         let table = self.vm.table(h);
-        let Ok(router) = self.vm.router.try_borrow() else {
+        let vm = self.vm.clone();
+        let Ok(router) = vm.router.try_borrow() else {
             return;
         };
         for e in &table.endpoints {
-            let id = match self.gauges.get(&e.slot) {
-                Some(id) => *id,
-                None => match h.define_metric(MetricKind::Gauge, &endpoint_gauge_name(e.slot)) {
-                    Ok(id) => {
-                        self.gauges.insert(e.slot, id);
-                        id
-                    }
-                    Err(_) => continue,
-                },
-            };
-            if let Ok(load) = router.ledger.load(h, e.slot, now) {
+            if let (Some(id), Ok(load)) = (
+                self.gauge(h, endpoint_gauge_name(e.slot)),
+                router.ledger.load(h, e.slot, now),
+            ) {
                 let _ = h.record_metric(id, load.tokens);
+            }
+            let Ok(est) = router.estimator.read(h, e.slot) else {
+                continue;
+            };
+            for (what, value) in estimate_gauges(&est) {
+                if let Some(id) = self.gauge(h, format!("tokenaware_endpoint_{}_{what}", e.slot)) {
+                    let _ = h.record_metric(id, value);
+                }
             }
         }
     }
+}
+
+/// What the estimator believes about an endpoint, and on how much data, as gauges.
+fn estimate_gauges(est: &Estimate) -> [(&'static str, u64); 4] {
+    [
+        ("prefill_tokens_per_s", est.rate.round() as u64),
+        ("ttft_overhead_ms", (est.overhead_s * 1000.0).round() as u64),
+        ("ttft_samples", est.total),
+        (
+            "kv_capacity_share_pct",
+            (est.capacity_share * 100.0).round() as u64,
+        ),
+    ]
 }
 
 /// Envoy's view of one host (`health_status` in admin `/clusters?format=json`).

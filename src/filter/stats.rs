@@ -96,10 +96,15 @@ pub enum Counter {
     UsageCachedTokens,
     /// A ledger or index update at first byte / stream end failed.
     ReleaseErrors,
+    /// `cached_tokens` confirmed the index's predicted hit.
+    CacheHeld,
+    /// `cached_tokens` fell short of the predicted hit: the endpoint evicted more than the
+    /// index assumed (its capacity share is lowered).
+    CacheMisses,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 13] = [
+    pub const ALL: [Counter; 15] = [
         Counter::Routed,
         Counter::Released,
         Counter::FailedEarly,
@@ -113,6 +118,8 @@ impl Counter {
         Counter::UsagePromptTokens,
         Counter::UsageCachedTokens,
         Counter::ReleaseErrors,
+        Counter::CacheHeld,
+        Counter::CacheMisses,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -130,6 +137,8 @@ impl Counter {
             Counter::UsagePromptTokens => "tokenaware_usage_prompt_tokens",
             Counter::UsageCachedTokens => "tokenaware_usage_cached_tokens",
             Counter::ReleaseErrors => "tokenaware_release_errors",
+            Counter::CacheHeld => "tokenaware_cache_predictions_held",
+            Counter::CacheMisses => "tokenaware_cache_predictions_missed",
         }
     }
 

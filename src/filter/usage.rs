@@ -8,7 +8,8 @@ pub const TAIL_BYTES: usize = 4096;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Usage {
     pub prompt_tokens: u64,
-    pub cached_tokens: u64,
+    /// Absent when the server does not report cached tokens (so no cache check is made).
+    pub cached_tokens: Option<u64>,
 }
 
 /// Appends `chunk` to `tail`, keeping only the last `TAIL_BYTES`.
@@ -31,7 +32,7 @@ pub fn scan(tail: &[u8]) -> Option<Usage> {
     let obj = object(rest)?;
     Some(Usage {
         prompt_tokens: number_after(obj, b"\"prompt_tokens\"")?,
-        cached_tokens: number_after(obj, b"\"cached_tokens\"").unwrap_or(0),
+        cached_tokens: number_after(obj, b"\"cached_tokens\""),
     })
 }
 
@@ -91,7 +92,7 @@ mod tests {
             scan(body),
             Some(Usage {
                 prompt_tokens: 120,
-                cached_tokens: 64
+                cached_tokens: Some(64)
             })
         );
         let sse = b"data: {\"choices\":[{\"delta\":{}}],\"usage\":null}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\": 7,\"completion_tokens\":2}}\n\ndata: [DONE]\n\n";
@@ -99,7 +100,7 @@ mod tests {
             scan(sse),
             Some(Usage {
                 prompt_tokens: 7,
-                cached_tokens: 0
+                cached_tokens: None
             })
         );
         assert_eq!(scan(b"data: {\"usage\":null}\n\ndata: [DONE]"), None);

@@ -132,6 +132,7 @@ impl Vm {
             .map(|e| {
                 let load = router.ledger.load(h, e.slot, now).unwrap_or_default();
                 let m = router.index.matched(h, e.slot, &[]).unwrap_or_default();
+                let est = router.estimator.read(h, e.slot).ok();
                 json!({
                     "slot": e.slot,
                     "address": e.address,
@@ -145,6 +146,18 @@ impl Vm {
                     "prefilling": load.prefilling,
                     "indexClock": m.clock,
                     "indexCapacity": m.capacity,
+                    "estimate": est.map(|x| json!({
+                        "prefillTokensPerS": x.rate.round(),
+                        "overheadMs": (x.overhead_s * 1000.0).round(),
+                        "perActiveRequestMs": (x.per_active_s * 1000.0).round(),
+                        "learned": x.learned,
+                        "ttftSamplesEffective": (x.observations * 10.0).round() / 10.0,
+                        "ttftSamplesTotal": x.total,
+                        "capacityShare": (x.capacity_share * 1000.0).round() / 1000.0,
+                        "cacheChecks": x.cache_checks,
+                        "cacheMisses": x.cache_misses,
+                        "tauTokens": (x.rate * router.cfg.max_ttft_penalty_ms / 1000.0).round(),
+                    })),
                 })
             })
             .collect();
@@ -156,6 +169,7 @@ impl Vm {
             "version": crate::VERSION,
             "policy": router.policy_name(),
             "tau": router.params.tau,
+            "learning": router.cfg.learns(),
             "nowMs": now,
             "vm": format!("{:016x}", self.id),
             "poller": lease.map(|l| format!("{:016x}", l.owner)),

@@ -17,11 +17,14 @@ pub use round_robin::RoundRobin;
 pub use sticky_until_saturated::StickyUntilSaturated;
 pub use tokenaware::Tokenaware;
 
-use crate::config::{Config, GateForm, PolicyName, Scorer};
+use crate::config::{Config, GateForm, Picker, PolicyName, Scorer};
 use crate::ledger::Load;
 
 /// One endpoint as the tables see it at decision time.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+///
+/// With learned estimates, `load.tokens` is in reference tokens: the endpoint's predicted
+/// wait × the configured R_peak, so one τ fits endpoints of different speeds.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Candidate {
     /// Stable identity (hash of the address), for rendezvous hashing.
     pub id: u64,
@@ -38,6 +41,25 @@ pub struct Candidate {
     pub work_per_s: u64,
     /// It held this prompt's prefix recently, though the index has aged it out.
     pub recalled: bool,
+    /// Learned prefill rate over the configured one (1 without learning): this request's
+    /// uncached tokens cost `1 / speed` reference tokens each there.
+    pub speed: f64,
+}
+
+impl Default for Candidate {
+    fn default() -> Self {
+        Candidate {
+            id: 0,
+            matched_blocks: 0,
+            load: Load::default(),
+            clock: 0,
+            capacity: 0,
+            heads: 0,
+            work_per_s: 0,
+            recalled: false,
+            speed: 1.0,
+        }
+    }
 }
 
 /// The request as the policies see it.
@@ -66,9 +88,16 @@ impl Ask<'_> {
             .saturating_sub((c.matched_blocks as u64).saturating_mul(self.block_tokens))
     }
 
-    /// Token-load cost: what is queued there plus what this request adds.
+    /// Token-load cost: what is queued there plus what this request adds (in reference
+    /// tokens: a slower endpoint's tokens cost more).
     pub fn cost(&self, c: &Candidate) -> u64 {
-        c.load.tokens.saturating_add(self.uncached(c))
+        let own = self.uncached(c);
+        let own = if c.speed > 0.0 && c.speed.is_finite() && c.speed != 1.0 {
+            (own as f64 / c.speed) as u64
+        } else {
+            own
+        };
+        c.load.tokens.saturating_add(own)
     }
 }
 
@@ -129,6 +158,7 @@ pub struct Params {
     pub affinity_threshold: f64,
     pub gate: GateForm,
     pub scorer: Scorer,
+    pub picker: Picker,
     pub fallbacks: usize,
 }
 
@@ -139,6 +169,7 @@ impl Params {
             affinity_threshold: c.affinity_threshold,
             gate: c.gate,
             scorer: c.scorer,
+            picker: c.picker,
             fallbacks: c.fallbacks as usize,
         }
     }
@@ -188,20 +219,48 @@ fn argmin<K: PartialOrd + Copy>(
     ties.get((seq % ties.len().max(1) as u64) as usize).copied()
 }
 
-/// Pick by the configured scorer: token cost, or active requests then token cost.
+/// Pick by the configured scorer and picker: token cost, active requests then token cost,
+/// or predicted TTFT (the cost, when candidates carry the learned predictor's wait).
 fn score_pick(
     ask: &Ask,
     fleet: &[Candidate],
     among: &[usize],
-    scorer: Scorer,
+    p: &Params,
     seq: u64,
 ) -> Option<usize> {
-    match scorer {
-        Scorer::TokenLoad => argmin(among, seq, |i| ask.cost(&fleet[i])),
-        Scorer::ActiveRequest => argmin(among, seq, |i| {
+    match (p.scorer, p.picker) {
+        (Scorer::ActiveRequest, Picker::MaxScore) => argmin(among, seq, |i| {
             (fleet[i].load.requests, ask.cost(&fleet[i]))
         }),
+        (_, Picker::MaxScore) => argmin(among, seq, |i| ask.cost(&fleet[i])),
+        (Scorer::ActiveRequest, Picker::WeightedRandom) => {
+            weighted_random(fleet, among, seq, |i| fleet[i].load.requests + 1)
+        }
+        (_, Picker::WeightedRandom) => {
+            weighted_random(fleet, among, seq, |i| ask.cost(&fleet[i]).saturating_add(1))
+        }
     }
+}
+
+/// Weighted random pick (A-Res: the largest `u^(1/w)`), with weight `best / cost`: the
+/// cheapest endpoint has weight 1, one twice as costly 1/2. `u` comes from the request
+/// counter and the endpoint id, so the policy stays a pure function.
+fn weighted_random(
+    fleet: &[Candidate],
+    among: &[usize],
+    seq: u64,
+    cost: impl Fn(usize) -> u64,
+) -> Option<usize> {
+    let best = among.iter().map(|&i| cost(i)).min()? as f64;
+    among.iter().copied().max_by(|&a, &b| {
+        let key = |i: usize| {
+            let u = (rendezvous(seq.wrapping_mul(0x9E37_79B9_7F4A_7C15), fleet[i].id) >> 11) as f64
+                / (1u64 << 53) as f64;
+            let w = best / cost(i).max(1) as f64;
+            u.max(f64::MIN_POSITIVE).powf(1.0 / w.max(1e-9))
+        };
+        key(a).total_cmp(&key(b))
+    })
 }
 
 /// Rendezvous (highest random weight) score of an endpoint for a key: every gateway that

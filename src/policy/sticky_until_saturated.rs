@@ -39,7 +39,7 @@ pub(super) fn gate_breaks(fleet: &[Candidate], warm: &[usize], p: &Params) -> bo
 impl StickyUntilSaturated {
     fn absolute(&self, ask: &Ask, fleet: &[Candidate], w: &[usize], seq: u64) -> Option<Decision> {
         let queued = |i: usize| match self.p.scorer {
-            Scorer::TokenLoad => (fleet[i].load.tokens, 0),
+            Scorer::TokenLoad | Scorer::Latency => (fleet[i].load.tokens, 0),
             Scorer::ActiveRequest => (fleet[i].load.requests, fleet[i].load.tokens),
         };
         if let Some(best_warm) = argmin(w, seq, queued) {
@@ -74,7 +74,7 @@ impl StickyUntilSaturated {
         } else {
             (w, Reason::Sticky, false)
         };
-        let pick = score_pick(ask, fleet, &among, self.p.scorer, seq)?;
+        let pick = score_pick(ask, fleet, &among, &self.p, seq)?;
         Some(decide(ask, fleet, pick, reason, broken, &self.p))
     }
 }

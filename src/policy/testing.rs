@@ -2,7 +2,7 @@
 //! request over a given chain.
 
 use super::{Ask, Candidate, Params};
-use crate::config::{GateForm, Scorer};
+use crate::config::{GateForm, Picker, Scorer};
 use crate::ledger::Load;
 
 pub fn params() -> Params {
@@ -11,6 +11,7 @@ pub fn params() -> Params {
         affinity_threshold: 0.8,
         gate: GateForm::Relative,
         scorer: Scorer::TokenLoad,
+        picker: Picker::MaxScore,
         fallbacks: 2,
     }
 }
@@ -40,6 +41,7 @@ pub fn fleet(spec: &[(usize, u64)]) -> Vec<Candidate> {
             clock: 0,
             capacity: 1_000,
             heads: 0,
+            speed: 1.0,
         })
         .collect()
 }

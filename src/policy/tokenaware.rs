@@ -116,11 +116,11 @@ impl Policy for Tokenaware {
             return Some(decide(ask, fleet, pick, Reason::Cold, false, &self.p));
         }
         if !gate_breaks(fleet, &w, &self.p) {
-            let pick = score_pick(ask, fleet, &w, self.p.scorer, seq)?;
+            let pick = score_pick(ask, fleet, &w, &self.p, seq)?;
             return Some(decide(ask, fleet, pick, Reason::Sticky, false, &self.p));
         }
         if self.saturated(fleet) {
-            let pick = score_pick(ask, fleet, &w, self.p.scorer, seq)?;
+            let pick = score_pick(ask, fleet, &w, &self.p, seq)?;
             return Some(decide(
                 ask,
                 fleet,

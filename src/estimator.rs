@@ -1,0 +1,661 @@
+//! Online estimates learned from traffic the filter already sees, so R_peak (and with it τ)
+//! needs no calibration run and the latency configuration needs no predictor sidecar.
+//!
+//! Per endpoint, one fixed-size record in the shared store (so every worker VM learns from,
+//! and routes by, the same numbers):
+//!
+//! - a TTFT model `ttft = a + b·W + c·A` fitted by recursive least squares with forgetting,
+//!   where `W` is the prefill work the request waited behind plus its own uncached tokens
+//!   (10k-token units) and `A` the requests active there at dispatch. `a` is the fixed
+//!   overhead, `1/b` the prefill rate R̂, `c` what a busy decode batch adds. Forgetting
+//!   (λ = 0.98, a memory of about 50 requests) follows an endpoint whose speed changes; a
+//!   Huber weight (residuals past 3 robust scales count linearly) keeps a stalled or
+//!   mis-predicted request from dragging the fit;
+//! - the cache correction: the share of the configured KV capacity the endpoint really
+//!   keeps, lowered when a predicted hit misses (`usage.prompt_tokens_details.cached_tokens`
+//!   below the index's prediction) and raised slowly when predictions hold.
+//!
+//! Per model (hashed into a fixed set of keys): bytes per token, from `usage.prompt_tokens`
+//! against the canonical prompt bytes.
+
+use crate::store::{update, SharedStore, StoreError};
+
+/// Forgetting factor of the overhead fit.
+const LAMBDA: f64 = 0.98;
+/// Decay of the rate's sums per sample: a memory of about 100 requests.
+const RATE_DECAY: f64 = 0.99;
+/// A sample slower than the yardstick rate by this factor is left out of the rate.
+const OUTLIER_FACTOR: f64 = 2.5;
+/// A sample faster than the yardstick by this factor (a predicted miss the server had
+/// cached) is left out too; wider, since batched first bytes come close together.
+const FAST_OUTLIER_FACTOR: f64 = 8.0;
+/// Pseudo-data at the prior rate the sums start from, seconds of busy time.
+const PRIOR_BUSY_S: f64 = 0.2;
+/// Active requests are fitted in units of this many requests.
+const ACTIVE_UNIT: f64 = 10.0;
+/// Residuals past this many robust scales are down-weighted (Huber).
+const HUBER_K: f64 = 3.0;
+/// Observations (effective) before the learned rate replaces the prior.
+pub const MIN_OBSERVATIONS: f64 = 8.0;
+/// Learned rates stay within this factor of the prior (a guard against a degenerate fit).
+const RATE_RANGE: f64 = 16.0;
+/// Bound on the covariance trace: forgetting without fresh information must not wind up.
+const P_TRACE_MAX: f64 = 1e4;
+/// Smallest share of the configured capacity the cache correction goes down to.
+const MIN_CAPACITY_SHARE: f64 = 1.0 / 16.0;
+const MODEL_KEYS: u64 = 64;
+
+const FIELDS: usize = 14;
+const RECORD: usize = FIELDS * 8;
+
+/// What the estimator believes about one endpoint.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Estimate {
+    /// Prefill tokens per second.
+    pub rate: f64,
+    /// Fixed part of TTFT, seconds.
+    pub overhead_s: f64,
+    /// Seconds each active request adds to TTFT.
+    pub per_active_s: f64,
+    /// Effective observations behind the fit (decays with forgetting).
+    pub observations: f64,
+    /// Observations ever made (never decays).
+    pub total: u64,
+    /// The rate is learned (enough data), not the prior.
+    pub learned: bool,
+    /// Share of the configured KV capacity the endpoint is believed to keep.
+    pub capacity_share: f64,
+    /// Cache predictions checked against `cached_tokens`, and how many missed.
+    pub cache_checks: u64,
+    pub cache_misses: u64,
+}
+
+impl Estimate {
+    /// Predicted TTFT, seconds, of a request that waits behind `work_tokens` (its own
+    /// uncached tokens included) with `active` requests running there.
+    pub fn ttft_s(&self, work_tokens: u64, active: u64) -> f64 {
+        (self.overhead_s + work_tokens as f64 / self.rate + self.per_active_s * active as f64)
+            .max(0.0)
+    }
+}
+
+/// One endpoint's record as stored.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Record {
+    /// Prefill tokens finished and the time the endpoint had a prefill pending, both
+    /// decayed per sample: their ratio is the prefill rate.
+    tokens: f64,
+    busy_s: f64,
+    /// The same sums over every sample, outliers included: the yardstick outliers are
+    /// judged by (it follows the data from any prior, where the prior would not).
+    all_tokens: f64,
+    all_busy_s: f64,
+    /// End of the busy time counted so far, ms.
+    watermark_ms: f64,
+    /// `ttft − W / R̂ ≈ theta[0] + theta[1]·A`: the fixed overhead and what active
+    /// requests add.
+    theta: [f64; 2],
+    /// Covariance of that fit, upper triangle: p00 p01 p11.
+    p: [f64; 3],
+    scale: f64,
+    observations: f64,
+    total: f64,
+    capacity_share: f64,
+    checks_and_misses: (u32, u32),
+}
+
+impl Record {
+    fn prior(rate: f64) -> Record {
+        Record {
+            // One second of pseudo-data at the prior rate: real samples outweigh it fast.
+            tokens: rate * PRIOR_BUSY_S,
+            busy_s: PRIOR_BUSY_S,
+            all_tokens: rate * PRIOR_BUSY_S,
+            all_busy_s: PRIOR_BUSY_S,
+            watermark_ms: 0.0,
+            theta: [0.0, 0.0],
+            p: [1.0, 0.0, 0.25],
+            scale: 0.0,
+            observations: 0.0,
+            total: 0.0,
+            capacity_share: 1.0,
+            checks_and_misses: (0, 0),
+        }
+    }
+
+    fn decode(b: &[u8], rate: f64) -> Record {
+        if b.len() != RECORD {
+            return Record::prior(rate);
+        }
+        let f = |i: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&b[i * 8..i * 8 + 8]);
+            f64::from_le_bytes(a)
+        };
+        let packed = f(FIELDS - 1).to_bits();
+        let (hi, misses) = ((packed >> 32) as u32, packed as u32);
+        let r = Record {
+            tokens: f(0),
+            busy_s: f(1),
+            watermark_ms: f(2),
+            theta: [f(3), f(4)],
+            p: [f(5), f(6), f(7)],
+            scale: f(8),
+            observations: f(9),
+            total: f(10),
+            all_tokens: f(11),
+            all_busy_s: f(12),
+            capacity_share: (f64::from(hi & 0xFFFF) / 65_535.0).clamp(MIN_CAPACITY_SHARE, 1.0),
+            checks_and_misses: (hi >> 16, misses),
+        };
+        let numbers = [
+            r.tokens,
+            r.busy_s,
+            r.watermark_ms,
+            r.theta[0],
+            r.theta[1],
+            r.p[0],
+            r.p[1],
+            r.p[2],
+            r.scale,
+            r.all_tokens,
+            r.all_busy_s,
+        ];
+        if numbers.iter().all(|x| x.is_finite()) && r.busy_s > 0.0 && r.all_busy_s > 0.0 {
+            r
+        } else {
+            Record::prior(rate)
+        }
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let share = (self.capacity_share.clamp(0.0, 1.0) * 65_535.0).round() as u32;
+        let checks = self.checks_and_misses.0.min(0xFFFF);
+        let packed =
+            (u64::from((checks << 16) | share) << 32) | u64::from(self.checks_and_misses.1);
+        let all: [f64; FIELDS] = [
+            self.tokens,
+            self.busy_s,
+            self.watermark_ms,
+            self.theta[0],
+            self.theta[1],
+            self.p[0],
+            self.p[1],
+            self.p[2],
+            self.scale,
+            self.observations,
+            self.total,
+            self.all_tokens,
+            self.all_busy_s,
+            f64::from_bits(packed),
+        ];
+        all.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    fn rate(&self) -> f64 {
+        self.tokens / self.busy_s
+    }
+
+    /// Huber band: residuals past it count linearly. It never falls below a tenth of the
+    /// prediction, so a run of near-exact samples cannot make an ordinary one an outlier.
+    fn band(&self, predicted: f64) -> f64 {
+        HUBER_K * self.scale.max(0.1 * predicted.abs()).max(1e-3)
+    }
+
+    /// One request's prefill, from dispatch to first byte. The rate: the endpoint had a
+    /// prefill pending over the union of such intervals; first bytes arrive in time order,
+    /// so the union grows by the part of this interval past the watermark.
+    fn observe(&mut self, sample: &TtftSample) {
+        let (start, end) = (sample.dispatch_ms as f64, sample.first_byte_ms as f64);
+        let busy = (end - start.max(self.watermark_ms)).max(0.0) / 1000.0;
+        let tokens = sample.uncached as f64;
+        self.all_tokens = self.all_tokens * RATE_DECAY + tokens;
+        self.all_busy_s = (self.all_busy_s * RATE_DECAY + busy).max(1e-6);
+        // An outlier: a sample far slower than all samples say (a stall, a retry, or a hit
+        // the server missed, so it prefilled far more than the index predicted). Samples
+        // finishing in the same instant as another (busy 0) are ordinary in a batch.
+        let yardstick = self.all_tokens / self.all_busy_s;
+        let outlier = busy > 0.0
+            && (tokens / busy < yardstick / OUTLIER_FACTOR
+                || tokens / busy > yardstick * FAST_OUTLIER_FACTOR);
+        if !outlier {
+            self.tokens = self.tokens * RATE_DECAY + tokens;
+            self.busy_s = (self.busy_s * RATE_DECAY + busy).max(1e-6);
+            // A late outlier must not claim the time after it as busy: the samples behind
+            // it would then look infinitely fast.
+            self.watermark_ms = self.watermark_ms.max(end);
+        }
+        self.fit_overhead(sample);
+        self.observations = self.observations * LAMBDA + 1.0;
+        self.total += 1.0;
+    }
+
+    /// Weighted RLS with forgetting of `ttft − W/R̂` on (1, A).
+    fn fit_overhead(&mut self, sample: &TtftSample) {
+        let work = sample.ahead.saturating_add(sample.uncached) as f64;
+        let y = (sample.first_byte_ms.saturating_sub(sample.dispatch_ms)) as f64 / 1000.0;
+        let target = y - work / self.rate();
+        let x = [1.0, sample.active as f64 / ACTIVE_UNIT];
+        let predicted = self.theta[0] + self.theta[1] * x[1];
+        let e = target - predicted;
+        let band = self.band(y);
+        let w = if self.observations >= 5.0 && e.abs() > band {
+            band / e.abs()
+        } else {
+            1.0
+        };
+        let [p00, p01, p11] = self.p;
+        let px = [p00 + p01 * x[1], p01 + p11 * x[1]];
+        let denom = LAMBDA / w + px[0] + x[1] * px[1];
+        if !(denom.is_finite() && denom > 0.0) {
+            return;
+        }
+        let k = [px[0] / denom, px[1] / denom];
+        self.theta[0] += k[0] * e;
+        self.theta[1] += k[1] * e;
+        let mut np = [
+            (p00 - k[0] * px[0]) / LAMBDA,
+            (p01 - k[0] * px[1]) / LAMBDA,
+            (p11 - k[1] * px[1]) / LAMBDA,
+        ];
+        let trace = np[0] + np[2];
+        if trace > P_TRACE_MAX {
+            np = np.map(|v| v * P_TRACE_MAX / trace);
+        }
+        self.p = np;
+        let clipped = e.abs().min(band);
+        self.scale = if self.observations > 0.0 {
+            0.9 * self.scale + 0.1 * clipped
+        } else {
+            clipped
+        };
+    }
+
+    fn estimate(&self, prior_rate: f64) -> Estimate {
+        let learned = self.observations >= MIN_OBSERVATIONS;
+        let rate = if learned {
+            self.rate()
+                .clamp(prior_rate / RATE_RANGE, prior_rate * RATE_RANGE)
+        } else {
+            prior_rate
+        };
+        Estimate {
+            rate,
+            overhead_s: if learned { self.theta[0].max(0.0) } else { 0.0 },
+            per_active_s: if learned {
+                (self.theta[1] / ACTIVE_UNIT).max(0.0)
+            } else {
+                0.0
+            },
+            observations: self.observations,
+            total: self.total as u64,
+            learned,
+            capacity_share: self.capacity_share,
+            cache_checks: u64::from(self.checks_and_misses.0),
+            cache_misses: u64::from(self.checks_and_misses.1),
+        }
+    }
+}
+
+/// One streamed request's way to its first byte.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TtftSample {
+    pub dispatch_ms: u64,
+    pub first_byte_ms: u64,
+    /// Prefill tokens queued there at dispatch, and this request's own uncached ones.
+    pub ahead: u64,
+    pub uncached: u64,
+    /// Requests active there at dispatch.
+    pub active: u64,
+}
+
+/// Outcome of comparing the index's predicted hit with what the server reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheCheck {
+    /// Nothing was predicted (a cold prefill), so nothing to check.
+    NotPredicted,
+    Held,
+    Missed,
+}
+
+#[derive(Debug, Clone)]
+pub struct Estimator {
+    prefix: String,
+    /// The configured (or preset) R_peak the fit starts from.
+    pub prior_rate: f64,
+    pub prior_bytes_per_token: f64,
+}
+
+impl Estimator {
+    pub fn new(namespace: &str, prior_rate: f64, prior_bytes_per_token: f64) -> Estimator {
+        Estimator {
+            prefix: format!("{namespace}/est/"),
+            prior_rate,
+            prior_bytes_per_token,
+        }
+    }
+
+    fn key(&self, slot: u16) -> String {
+        format!("{}{slot:x}", self.prefix)
+    }
+
+    fn model_key(&self, model: &str) -> String {
+        let h = xxhash_rust::xxh3::xxh3_64(model.as_bytes()) % MODEL_KEYS;
+        format!("{}m{h:x}", self.prefix)
+    }
+
+    pub fn read<S: SharedStore + ?Sized>(&self, s: &S, slot: u16) -> Result<Estimate, StoreError> {
+        let (v, _) = s.get(&self.key(slot))?;
+        let r = Record::decode(v.as_deref().unwrap_or(&[]), self.prior_rate);
+        Ok(r.estimate(self.prior_rate))
+    }
+
+    /// Forgets an endpoint (removed, or a new one in its slot): back to the prior.
+    pub fn clear<S: SharedStore + ?Sized>(&self, s: &S, slot: u16) -> Result<(), StoreError> {
+        s.set(&self.key(slot), &[], None)
+    }
+
+    /// A streamed request's first byte.
+    pub fn observe_ttft<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        sample: &TtftSample,
+    ) -> Result<(), StoreError> {
+        if sample.first_byte_ms < sample.dispatch_ms {
+            return Ok(());
+        }
+        update(s, &self.key(slot), |old| {
+            let mut r = Record::decode(old, self.prior_rate);
+            r.observe(sample);
+            Some((r.encode(), ()))
+        })
+        .map(|_| ())
+    }
+
+    /// `usage` of a finished request: checks the index's predicted cached tokens against
+    /// the server's `cached_tokens` and moves the capacity share. Returns the new share when
+    /// it changed.
+    pub fn observe_cache<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        predicted_cached: u64,
+        reported_cached: u64,
+        block_tokens: u64,
+    ) -> Result<(CacheCheck, Option<f64>), StoreError> {
+        // A prediction of under two blocks is noise in block rounding, not a claim.
+        if predicted_cached < 2 * block_tokens.max(1) {
+            return Ok((CacheCheck::NotPredicted, None));
+        }
+        let missed = (reported_cached as f64) < 0.5 * predicted_cached as f64;
+        let check = if missed {
+            CacheCheck::Missed
+        } else {
+            CacheCheck::Held
+        };
+        let out = update(s, &self.key(slot), |old| {
+            let mut r = Record::decode(old, self.prior_rate);
+            let before = r.capacity_share;
+            // Multiplicative decrease, slow additive recovery: a miss is strong evidence the
+            // server evicted what the index thinks it holds; a hit only says "not yet".
+            r.capacity_share = if missed {
+                (before * 0.9).max(MIN_CAPACITY_SHARE)
+            } else {
+                (before + 0.01).min(1.0)
+            };
+            let (c, m) = r.checks_and_misses;
+            r.checks_and_misses = (
+                c.saturating_add(1).min(0xFFFF),
+                m.saturating_add(missed as u32),
+            );
+            let changed = (r.capacity_share - before).abs() > f64::EPSILON;
+            Some((r.encode(), changed.then_some(r.capacity_share)))
+        })?;
+        Ok((check, out.flatten()))
+    }
+
+    /// Bytes per token of `model`, learned from usage; the prior until some data arrived.
+    pub fn bytes_per_token<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        model: &str,
+    ) -> Result<f64, StoreError> {
+        let (v, _) = s.get(&self.model_key(model))?;
+        Ok(decode_ratio(v.as_deref().unwrap_or(&[])).unwrap_or(self.prior_bytes_per_token))
+    }
+
+    /// One request's prompt bytes against the `usage.prompt_tokens` the server counted.
+    pub fn observe_bytes_per_token<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        model: &str,
+        bytes: u64,
+        tokens: u64,
+    ) -> Result<(), StoreError> {
+        if bytes == 0 || tokens == 0 {
+            return Ok(());
+        }
+        let ratio = bytes as f64 / tokens as f64;
+        // Chat templates and tool schemas make the ratio noisy; a ratio outside what any
+        // tokenizer produces says the usage belongs to something else.
+        if !(0.5..=64.0).contains(&ratio) {
+            return Ok(());
+        }
+        update(s, &self.model_key(model), |old| {
+            let (b, t) = decode_sums(old).unwrap_or((0.0, 0.0));
+            // Ratio of decayed sums: long prompts weigh more, as they should.
+            let (b, t) = (b * 0.99 + bytes as f64, t * 0.99 + tokens as f64);
+            let mut v = b.to_le_bytes().to_vec();
+            v.extend_from_slice(&t.to_le_bytes());
+            Some((v, ()))
+        })
+        .map(|_| ())
+    }
+}
+
+fn decode_sums(v: &[u8]) -> Option<(f64, f64)> {
+    if v.len() != 16 {
+        return None;
+    }
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&v[..8]);
+    let b = f64::from_le_bytes(a);
+    a.copy_from_slice(&v[8..]);
+    let t = f64::from_le_bytes(a);
+    (b.is_finite() && t.is_finite()).then_some((b, t))
+}
+
+/// The learned ratio, once it rests on at least a few thousand tokens.
+fn decode_ratio(v: &[u8]) -> Option<f64> {
+    let (b, t) = decode_sums(v)?;
+    (t >= 2_000.0).then(|| (b / t).clamp(0.5, 64.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemStore;
+
+    /// A small deterministic generator (the core's tests also run inside wasm, without rand).
+    struct Lcg(u64);
+    impl Lcg {
+        fn next(&mut self) -> u64 {
+            self.0 = self
+                .0
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            self.0 >> 33
+        }
+        fn gen_range(&mut self, r: std::ops::Range<u64>) -> u64 {
+            r.start + self.next() % (r.end - r.start)
+        }
+        fn gen_bool(&mut self, p: f64) -> bool {
+            (self.next() % 1_000_000) as f64 / 1e6 < p
+        }
+    }
+
+    /// A FIFO prefill server at `rate` (with a fixed 30 ms per request) fed by Poisson
+    /// arrivals at about 60 % utilisation; `stall` makes every tenth first byte arrive 30 s
+    /// late (the server goes on). Feeds every sample to the estimator.
+    fn fifo(e: &Estimator, s: &MemStore, rate: impl Fn(usize) -> f64, n: usize, stall: bool) {
+        let mut rng = Lcg(7);
+        let (mut t, mut free_at) = (0.0f64, 0.0f64);
+        let mut in_system: Vec<(f64, u64)> = Vec::new(); // (first byte time, uncached)
+        for i in 0..n {
+            let own = if rng.gen_bool(0.7) {
+                rng.gen_range(200..3_000)
+            } else {
+                rng.gen_range(40_000..60_000)
+            };
+            // Mean service ≈ 0.7·1.6k + 0.3·50k ≈ 16k tokens.
+            t += (rng.gen_range(1..1_000_000) as f64 / 1e6).ln().abs() * 16_000.0 / (0.6 * rate(i));
+            in_system.retain(|&(done, _)| done > t);
+            let ahead: u64 = in_system.iter().map(|&(_, u)| u).sum();
+            let done = t.max(free_at) + 0.03 + own as f64 / rate(i);
+            free_at = done;
+            in_system.push((done, own));
+            let late = if stall && i % 10 == 7 { 30.0 } else { 0.0 };
+            let sample = TtftSample {
+                dispatch_ms: (t * 1000.0) as u64,
+                first_byte_ms: ((done + late) * 1000.0) as u64,
+                ahead,
+                uncached: own,
+                active: in_system.len() as u64 - 1,
+            };
+            e.observe_ttft(s, 3, &sample).unwrap();
+        }
+    }
+
+    fn error(est: &Estimate, truth: f64) -> f64 {
+        (est.rate - truth).abs() / truth
+    }
+
+    #[test]
+    fn converges_from_a_prior_four_times_off() {
+        for prior in [80_000.0, 5_000.0, 20_000.0] {
+            let s = MemStore::new();
+            let e = Estimator::new("t", prior, 4.0);
+            fifo(&e, &s, |_| 20_000.0, 200, false);
+            let est = e.read(&s, 3).unwrap();
+            assert!(est.learned);
+            assert!(error(&est, 20_000.0) < 0.15, "prior {prior}: {est:?}");
+        }
+    }
+
+    #[test]
+    fn outliers_do_not_drag_the_rate() {
+        let s = MemStore::new();
+        let e = Estimator::new("t", 10_000.0, 4.0);
+        fifo(&e, &s, |_| 10_000.0, 300, true);
+        let est = e.read(&s, 3).unwrap();
+        assert!(error(&est, 10_000.0) < 0.15, "{est:?}");
+    }
+
+    #[test]
+    fn follows_a_change_of_speed() {
+        let s = MemStore::new();
+        let e = Estimator::new("t", 20_000.0, 4.0);
+        fifo(
+            &e,
+            &s,
+            |i| if i < 300 { 20_000.0 } else { 8_000.0 },
+            600,
+            false,
+        );
+        let est = e.read(&s, 3).unwrap();
+        assert!(error(&est, 8_000.0) < 0.15, "{est:?}");
+    }
+
+    #[test]
+    fn learns_the_fixed_overhead() {
+        let s = MemStore::new();
+        let e = Estimator::new("t", 20_000.0, 4.0);
+        fifo(&e, &s, |_| 20_000.0, 400, false);
+        let est = e.read(&s, 3).unwrap();
+        assert!(est.overhead_s < 0.5, "{est:?}");
+        let predicted = est.ttft_s(10_000, 0);
+        assert!((predicted - 0.53).abs() < 0.2, "{predicted} {est:?}");
+    }
+
+    #[test]
+    fn prior_until_enough_data_and_garbage_is_ignored() {
+        let s = MemStore::new();
+        let e = Estimator::new("t", 15_000.0, 4.0);
+        assert_eq!(e.read(&s, 1).unwrap().rate, 15_000.0);
+        let mut sample = TtftSample {
+            dispatch_ms: 0,
+            first_byte_ms: 500,
+            ahead: 0,
+            uncached: 1_000,
+            active: 0,
+        };
+        for i in 0..5 {
+            sample.dispatch_ms = i * 1_000;
+            sample.first_byte_ms = i * 1_000 + 500;
+            e.observe_ttft(&s, 1, &sample).unwrap();
+        }
+        sample.first_byte_ms = 0; // before its dispatch: ignored
+        e.observe_ttft(&s, 1, &sample).unwrap();
+        let est = e.read(&s, 1).unwrap();
+        assert!(!est.learned);
+        assert_eq!(est.rate, 15_000.0);
+        assert_eq!(est.total, 5);
+        s.set(&e.key(2), b"short", None).unwrap();
+        assert_eq!(e.read(&s, 2).unwrap().rate, 15_000.0);
+        e.clear(&s, 1).unwrap();
+        assert_eq!(e.read(&s, 1).unwrap().total, 0);
+    }
+
+    #[test]
+    fn cache_misses_shrink_the_capacity_share_and_hits_restore_it() {
+        let s = MemStore::new();
+        let e = Estimator::new("t", 15_000.0, 4.0);
+        let (c, _) = e.observe_cache(&s, 0, 64, 0, 64).unwrap();
+        assert_eq!(c, CacheCheck::NotPredicted);
+        let mut share = 1.0;
+        for _ in 0..10 {
+            let (c, new) = e.observe_cache(&s, 0, 50_000, 0, 64).unwrap();
+            assert_eq!(c, CacheCheck::Missed);
+            share = new.unwrap();
+        }
+        assert!((share - 0.9f64.powi(10)).abs() < 1e-3, "{share}");
+        for _ in 0..5 {
+            e.observe_cache(&s, 0, 50_000, 49_000, 64).unwrap();
+        }
+        let est = e.read(&s, 0).unwrap();
+        assert!(est.capacity_share > share);
+        assert_eq!((est.cache_checks, est.cache_misses), (15, 10));
+    }
+
+    #[test]
+    fn bytes_per_token_learns_per_model() {
+        let s = MemStore::new();
+        let e = Estimator::new("t", 15_000.0, 4.0);
+        assert_eq!(e.bytes_per_token(&s, "a").unwrap(), 4.0);
+        for _ in 0..10 {
+            e.observe_bytes_per_token(&s, "a", 3_000, 1_000).unwrap();
+            e.observe_bytes_per_token(&s, "a", 1, 1_000).unwrap(); // implausible: ignored
+        }
+        assert!((e.bytes_per_token(&s, "a").unwrap() - 3.0).abs() < 1e-9);
+        assert_eq!(e.bytes_per_token(&s, "b").unwrap(), 4.0);
+    }
+
+    #[test]
+    fn record_round_trips() {
+        let mut r = Record::prior(12_345.0);
+        r.observe(&TtftSample {
+            dispatch_ms: 10,
+            first_byte_ms: 900,
+            ahead: 5_000,
+            uncached: 2_000,
+            active: 3,
+        });
+        r.capacity_share = 0.5;
+        r.checks_and_misses = (7, 3);
+        let back = Record::decode(&r.encode(), 1.0);
+        assert_eq!(back.theta, r.theta);
+        assert!((back.capacity_share - 0.5).abs() < 1e-4);
+        assert_eq!(back.checks_and_misses, (7, 3));
+    }
+}
