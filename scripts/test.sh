@@ -24,6 +24,9 @@ cargo clippy --workspace --all-targets -- -D warnings
 step "clippy (wasm32-wasip1 filter)"
 cargo clippy -p tokenaware --lib --target wasm32-wasip1 -- -D warnings
 
+step "rustdoc (no broken intra-doc links)"
+RUSTDOCFLAGS="-D warnings" cargo doc -p tokenaware --no-deps
+
 step "release .wasm"
 cargo build -p tokenaware --release --target wasm32-wasip1
 ls -l target/wasm32-wasip1/release/tokenaware.wasm

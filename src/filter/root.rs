@@ -79,6 +79,21 @@ impl Root {
     /// between VMs (it is the lease owner).
     pub fn configure<H: Host>(h: &H, bytes: &[u8], id: u64) -> Result<Root, ConfigError> {
         let cfg = Config::from_json(bytes)?;
+        // Once per VM at plugin start: which build runs, with what in effect.
+        h.log(
+            Level::Info,
+            &format!(
+                "tokenaware {} configured: policy {}, R_peak {} tok/s, tau {} tokens, \
+                 {} static endpoints, discovery {}, metrics {}",
+                crate::VERSION,
+                cfg.policy.as_str(),
+                cfg.peak_prefill(),
+                cfg.tau_tokens().round(),
+                cfg.endpoints.len(),
+                if cfg.discovery.is_some() { "on" } else { "off" },
+                if cfg.metrics.is_some() { "on" } else { "off" },
+            ),
+        );
         Ok(Root {
             vm: Rc::new(Vm::new(h, cfg, id)),
             calls: HashMap::new(),

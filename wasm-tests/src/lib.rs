@@ -1,5 +1,6 @@
 //! Test support for tokenaware: a simulated vLLM fleet ([`fleet`]), an Envoy harness
-//! ([`envoy`]) and free loopback ports ([`ports`]).
+//! ([`envoy`]), the load generator ([`loadgen`]), benchmark plots ([`plot`]) and free
+//! loopback ports ([`ports`]).
 //!
 //! Typical end-to-end test:
 //!
@@ -17,4 +18,5 @@ pub mod envoy;
 pub mod fleet;
 pub mod host;
 pub mod loadgen;
+pub mod plot;
 pub mod ports;

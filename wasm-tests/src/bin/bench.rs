@@ -10,8 +10,10 @@
 //! Targets: `envoy-round-robin`, `envoy-least-request`, `envoy-ring-hash` (on
 //! `x-prefix-group`), `smg-cache-aware` (PyPI `smg`, installed into `.venv` with pip if
 //! missing; skipped with a message if that fails), `tokenaware-prefill`,
-//! `tokenaware-decode` (`scorer: active-request`). Writes `target/bench/results.json` and
-//! `target/bench/report.md`.
+//! `tokenaware-decode` (`scorer: active-request`). Writes `target/bench/results.json`,
+//! `target/bench/report.md` and one SVG per workload in `target/bench/plots/` (TTFT p90,
+//! input tokens/s and hit rate against the rate; `--docs-plots` also writes `docs/plots/`).
+//! `--plot-only [--results FILE]...` redraws the plots from existing results without running.
 //!
 //! Fidelity knobs, the same for every target: `--scale` multiplies every token count of the
 //! workload *and* the fleet's R_peak and KV capacity (and divides its per-token decode time),
@@ -73,6 +75,30 @@ struct Args {
     /// Output directory.
     #[arg(long, default_value = "target/bench")]
     out_dir: PathBuf,
+    /// Only draw the plots from existing results (`--results`, default
+    /// `<out-dir>/results.json`); runs nothing.
+    #[arg(long)]
+    plot_only: bool,
+    /// Results to plot with --plot-only (repeatable; a workload in a later file replaces it
+    /// in earlier ones).
+    #[arg(long)]
+    results: Vec<PathBuf>,
+    /// Also write the plots to docs/plots/ (the figures docs/benchmarks.md shows).
+    #[arg(long)]
+    docs_plots: bool,
+}
+
+/// Draws `<workload>.svg` into `<out-dir>/plots` (and docs/plots with --docs-plots).
+fn write_plots(a: &Args, results: &[PathBuf]) -> anyhow::Result<()> {
+    let set = wasm_tests::plot::ResultSet::load(results)?;
+    let mut dirs = vec![a.out_dir.join("plots")];
+    if a.docs_plots {
+        dirs.push(repo_root().join("docs/plots"));
+    }
+    for f in set.write_svgs(&dirs)? {
+        eprintln!("wrote {}", f.display());
+    }
+    Ok(())
 }
 
 /// A workload's run parameters.
@@ -371,6 +397,14 @@ async fn run_one(
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
+    if a.plot_only {
+        let results = if a.results.is_empty() {
+            vec![a.out_dir.join("results.json")]
+        } else {
+            a.results.clone()
+        };
+        return write_plots(&a, &results);
+    }
     let kinds: Vec<WorkloadKind> = if a.workload.is_empty() {
         if a.quick {
             vec![WorkloadKind::B2bSaas]
@@ -492,7 +526,7 @@ async fn main() -> anyhow::Result<()> {
         rpath.display(),
         mpath.display()
     );
-    Ok(())
+    write_plots(&a, &[rpath])
 }
 
 /// A markdown section: per target and rate, then capacity and ratios to round robin.

@@ -10,6 +10,8 @@
 //! # rate ladder, 30 model seconds per stage
 //! cargo run -p wasm-tests --release --bin loadgen -- --url http://127.0.0.1:10000 \
 //!     --workload seed-sim --mode ladder --rates 3,5,10,20 --stage-duration 30
+//! # calibrate R_peak and τ (llm-d's recipe: 5 + 20 cold 8,192-token prefills, one at a time)
+//! cargo run -p wasm-tests --release --bin loadgen -- calibrate --url http://127.0.0.1:8000 --chunk 8192
 //! ```
 //!
 //! With `--time-factor F` (the fleet's), rates and durations are in model time: requests go
@@ -20,9 +22,9 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Parser, ValueEnum};
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use serde_json::json;
-use wasm_tests::loadgen::{self, Pace, Target, Workload, WorkloadKind};
+use wasm_tests::loadgen::{self, calibrate, Pace, Target, Workload, WorkloadKind};
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Mode {
@@ -33,13 +35,17 @@ enum Mode {
 
 #[derive(Debug, Parser)]
 #[command(
+    name = "loadgen",
     version,
-    about = "Seeded streaming OpenAI load (open loop, closed loop, rate ladder)"
+    about = "Seeded streaming OpenAI load (open loop, closed loop, rate ladder); `calibrate` measures R_peak",
+    args_conflicts_with_subcommands = true
 )]
 struct Args {
-    /// Base URL (http://127.0.0.1:PORT) or the full chat/completions URL.
+    #[command(subcommand)]
+    command: Option<Cmd>,
+    /// Base URL (http://127.0.0.1:PORT) or the full chat/completions URL (required).
     #[arg(long)]
-    url: String,
+    url: Option<String>,
     /// seed-sim, code-generation, reasoning or b2b-saas.
     #[arg(long, default_value = "b2b-saas")]
     workload: String,
@@ -90,17 +96,113 @@ struct Args {
     records: bool,
 }
 
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Measure the server's peak prefill throughput (R_peak = chunk / median TTFT of cold,
+    /// one-token requests of exactly `chunk` random token ids, sent one at a time) and print
+    /// τ and the plugin configuration.
+    Calibrate(CalibrateArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct CalibrateArgs {
+    /// Base URL (http://HOST:PORT; /v1/completions is added) or the full completions URL. The
+    /// gateway's URL measures what the filter sees; a model server's measures it alone.
+    #[arg(long)]
+    url: String,
+    /// Prompt tokens per request: the server's --max-num-batched-tokens.
+    #[arg(long, default_value_t = 8192)]
+    chunk: usize,
+    /// Requests sent first and not measured.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Measured requests.
+    #[arg(long, default_value_t = 20)]
+    requests: usize,
+    /// Acceptable TTFT degradation T_max, ms (the plugin's maxTTFTPenaltyMs): τ = R_peak × T_max.
+    #[arg(long, default_value_t = 18_000.0)]
+    ttft_tolerance_ms: f64,
+    /// Model name (default: the first one GET /v1/models lists).
+    #[arg(long)]
+    model: Option<String>,
+    /// Wall seconds per model second (the simulated fleet's --time-factor; 1 for a real server).
+    #[arg(long, default_value_t = 1.0)]
+    time_factor: f64,
+    /// Per-request timeout, wall seconds.
+    #[arg(long, default_value_t = 120.0)]
+    timeout: f64,
+    /// Seed of the random token ids (default: from the clock).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Print the result as JSON instead.
+    #[arg(long)]
+    json: bool,
+}
+
+async fn calibrate(a: CalibrateArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.time_factor > 0.0, "--time-factor must be > 0");
+    anyhow::ensure!(a.timeout > 0.0, "--timeout must be > 0");
+    let trimmed = a.url.trim_end_matches('/');
+    let (base, url) = if trimmed.matches('/').count() <= 2 {
+        (trimmed.to_string(), format!("{trimmed}/v1/completions"))
+    } else {
+        let base = trimmed.split("/v1/").next().unwrap_or(trimmed).to_string();
+        (base, a.url.clone())
+    };
+    let client = loadgen::client()?;
+    let model = match a.model {
+        Some(m) => m,
+        None => calibrate::first_model(&client, &base).await?,
+    };
+    let mut s = calibrate::Settings::new(url, model);
+    s.chunk = a.chunk;
+    s.warmup = a.warmup;
+    s.requests = a.requests;
+    s.ttft_tolerance_ms = a.ttft_tolerance_ms;
+    s.time_factor = a.time_factor;
+    s.timeout = Duration::from_secs_f64(a.timeout);
+    s.seed = a.seed;
+    eprintln!(
+        "calibrate: {} warm-up + {} measured requests of {} random token ids (max_tokens 1, \
+         streaming, one at a time) to {} (model {})",
+        s.warmup, s.requests, s.chunk, s.url, s.model
+    );
+    let warmup = s.warmup;
+    let c = calibrate::run(&client, &s, |i, n, t| {
+        let what = if i <= warmup { "warm-up" } else { "measured" };
+        eprintln!("  {i:>3}/{n} {what:<8} TTFT {t:.4} s");
+    })
+    .await?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&c)?);
+    } else {
+        print!("{}", c.report());
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
+    if let Some(Cmd::Calibrate(c)) = a.command {
+        return calibrate(c).await;
+    }
+    let Some(url_arg) = a.url.clone() else {
+        Args::command()
+            .error(
+                clap::error::ErrorKind::MissingRequiredArgument,
+                "--url is required (or the `calibrate` subcommand)",
+            )
+            .exit()
+    };
     let kind = WorkloadKind::parse(&a.workload)
         .with_context(|| format!("unknown workload {:?}", a.workload))?;
     anyhow::ensure!(a.scale > 0.0 && a.scale <= 1.0, "--scale must be in (0, 1]");
     anyhow::ensure!(a.time_factor > 0.0, "--time-factor must be > 0");
-    let url = if a.url.trim_end_matches('/').matches('/').count() <= 2 {
-        format!("{}/v1/chat/completions", a.url.trim_end_matches('/'))
+    let url = if url_arg.trim_end_matches('/').matches('/').count() <= 2 {
+        format!("{}/v1/chat/completions", url_arg.trim_end_matches('/'))
     } else {
-        a.url.clone()
+        url_arg
     };
     let target = Target {
         url,

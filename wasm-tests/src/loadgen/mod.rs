@@ -7,7 +7,10 @@
 //! sent at `r / f` per wall second and every measured duration is divided by `f`. Token
 //! counts are reported in model tokens (served tokens divided by the workload's scale), so
 //! figures compare with unscaled ones.
+//!
+//! [`calibrate`] measures a server's peak prefill throughput (R_peak) the way llm-d does.
 
+pub mod calibrate;
 pub mod workload;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
