@@ -1,5 +1,5 @@
 //! Test support for tokenaware: a simulated vLLM fleet ([`fleet`]), an Envoy harness
-//! ([`envoy`]) and free loopback ports ([`ports`]).
+//! ([`envoy`]), free loopback ports ([`ports`]) and the OCI image writer ([`oci`]).
 //!
 //! Typical end-to-end test:
 //!
@@ -17,4 +17,5 @@ pub mod envoy;
 pub mod fleet;
 pub mod host;
 pub mod loadgen;
+pub mod oci;
 pub mod ports;
