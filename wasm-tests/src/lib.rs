@@ -1,6 +1,6 @@
 //! Test support for tokenaware: a simulated vLLM fleet ([`fleet`]), an Envoy harness
-//! ([`envoy`]), the load generator ([`loadgen`]), benchmark plots ([`plot`]) and free
-//! loopback ports ([`ports`]).
+//! ([`envoy`]), the load generator ([`loadgen`]), benchmark plots ([`plot`]), the OCI image
+//! writer ([`oci`]) and free loopback ports ([`ports`]).
 //!
 //! Typical end-to-end test:
 //!
@@ -18,5 +18,6 @@ pub mod envoy;
 pub mod fleet;
 pub mod host;
 pub mod loadgen;
+pub mod oci;
 pub mod plot;
 pub mod ports;

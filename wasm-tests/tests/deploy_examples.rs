@@ -1,0 +1,701 @@
+//! The deployment examples hold together:
+//! - every plugin configuration under `examples/config/` (and the ones embedded in the
+//!   Istio and Envoy Gateway examples) is accepted by the filter's own config parser, and
+//!   every calibrated preset has an example;
+//! - the Istio and Envoy Gateway resources use only field names (and enum values) their
+//!   CRDs' OpenAPI schemas define (vendored under `wasm-tests/fixtures/crds/`, trimmed, with
+//!   source and licence noted); a misspelled field is caught;
+//! - the Envoy parts of the patches, applied the way istiod / Envoy Gateway would apply them
+//!   to a representative generated listener and cluster, give a bootstrap that
+//!   `envoy --mode validate` accepts. Validation loads the module in V8 and runs its
+//!   `on_configure` (the filters are switched to fail closed for this), so a broken plugin
+//!   configuration fails it, as does a misspelled Envoy field.
+//!
+//! `deploy_examples/crd.rs` holds the schema checker, `deploy_examples/patch.rs` the merge
+//! and JSON-patch helpers.
+//!
+//! The Envoy checks need Envoy (scripts/setup.sh) and the release module; without Envoy
+//! they are skipped unless TOKENAWARE_REQUIRE_ENVOY is set.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokenaware::config::{Config, PRESETS};
+use wasm_tests::envoy::{envoy_binary, have_envoy, repo_root};
+
+#[path = "deploy_examples/crd.rs"]
+mod crd;
+#[path = "deploy_examples/patch.rs"]
+mod patch;
+
+use crd::{crd_specs, resource_errors};
+use patch::{json_path, pointer_add, pointer_remove, proto_merge};
+
+const WASM_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm";
+const HCM: &str = "envoy.filters.network.http_connection_manager";
+const ROUTER: &str = "envoy.filters.http.router";
+const ISTIO_MODEL_CLUSTER: &str = "outbound|8000||vllm.models.svc.cluster.local";
+const EG_MODEL_CLUSTER: &str = "httproute/models/llm/rule/0";
+const EG_LISTENER: &str = "models/eg/http";
+
+// === files ===
+
+fn examples() -> PathBuf {
+    repo_root().join("examples")
+}
+
+fn json_files(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Every YAML document in `path`, as JSON values.
+fn yaml_docs(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    yaml_docs_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn yaml_docs_str(text: &str) -> Result<Vec<Value>, serde_norway::Error> {
+    serde_norway::Deserializer::from_str(text)
+        .map(Value::deserialize)
+        .filter(|d| !matches!(d, Ok(Value::Null)))
+        .collect()
+}
+
+fn one_doc(path: &Path, kind: &str) -> Value {
+    let docs = yaml_docs(path);
+    assert_eq!(docs.len(), 1, "{}: expected one document", path.display());
+    assert_eq!(docs[0]["kind"], kind, "{}", path.display());
+    docs.into_iter().next().unwrap()
+}
+
+fn wasm_path() -> PathBuf {
+    let p = repo_root().join("target/wasm32-wasip1/release/tokenaware.wasm");
+    assert!(
+        p.is_file(),
+        "{} is missing: run `cargo build -p tokenaware --release --target wasm32-wasip1` first",
+        p.display()
+    );
+    p
+}
+
+// === (a) plugin configurations ===
+
+fn parse_config(what: &str, text: &str) -> Config {
+    Config::from_json(text.as_bytes()).unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
+#[test]
+fn example_configs_parse() {
+    let dir = examples().join("config");
+    let mut n = 0;
+    for p in json_files(&dir) {
+        let c = parse_config(
+            &p.display().to_string(),
+            &std::fs::read_to_string(&p).unwrap(),
+        );
+        assert!(c.tau_tokens() > 0.0, "{}", p.display());
+        n += 1;
+    }
+    assert!(
+        n >= 3,
+        "prefill-bound, decode-bound and multimodal configs expected"
+    );
+    // One preset example per calibrated preset, named after it.
+    let presets = json_files(&dir.join("presets"));
+    for p in &presets {
+        let c = parse_config(
+            &p.display().to_string(),
+            &std::fs::read_to_string(p).unwrap(),
+        );
+        let stem = p.file_stem().unwrap().to_str().unwrap();
+        assert_eq!(c.preset.as_deref(), Some(stem), "{}", p.display());
+        let preset = tokenaware::config::preset(stem).unwrap();
+        assert_eq!(c.peak_prefill(), preset.peak_prefill_tokens_per_s);
+    }
+    for preset in PRESETS {
+        assert!(
+            presets
+                .iter()
+                .any(|p| p.file_stem().unwrap() == preset.name),
+            "no examples/config/presets/{}.json",
+            preset.name
+        );
+    }
+    // The seeds' τ from its preset.
+    let blog = std::fs::read_to_string(dir.join("presets/qwen3-32b-h100-tp2-blog.json")).unwrap();
+    assert_eq!(parse_config("blog", &blog).tau_tokens().round(), 286_720.0);
+    // The parser is strict: a misspelled field fails, naming it.
+    let bad = std::fs::read_to_string(dir.join("prefill-bound.json"))
+        .unwrap()
+        .replace("\"affinityThreshold\"", "\"affinityTreshold\"");
+    let e = Config::from_json(bad.as_bytes()).unwrap_err();
+    assert_eq!(e.field, "affinityTreshold", "{e}");
+}
+
+/// The configurations embedded in the Istio and Envoy Gateway examples parse too.
+#[test]
+fn embedded_configs_parse() {
+    let filter = istio_filter();
+    let ext = extension_configs(&filter);
+    let wasm = &ext["tokenaware"];
+    let text = wasm["config"]["configuration"]["value"].as_str().unwrap();
+    let c = parse_config("istio/filter.yaml", text);
+    assert_eq!(c.discovery.unwrap().model_cluster, ISTIO_MODEL_CLUSTER);
+
+    let plugin = one_doc(&examples().join("istio/wasmplugin.yaml"), "WasmPlugin");
+    let c = parse_config(
+        "istio/wasmplugin.yaml",
+        &plugin["spec"]["pluginConfig"].to_string(),
+    );
+    assert_eq!(c.metrics.unwrap().cluster, ISTIO_MODEL_CLUSTER);
+
+    let eep = eg_extension_policy();
+    let c = parse_config(
+        "envoy-gateway",
+        &eep["spec"]["wasm"][0]["config"].to_string(),
+    );
+    assert_eq!(c.discovery.unwrap().model_cluster, EG_MODEL_CLUSTER);
+}
+
+// === (c) CRD schemas ===
+
+fn example_resources() -> Vec<(PathBuf, Value)> {
+    let mut out = Vec::new();
+    for dir in ["istio", "envoy-gateway"] {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(examples().join(dir))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+            .collect();
+        files.sort();
+        for p in files {
+            for d in yaml_docs(&p) {
+                out.push((p.clone(), d));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn examples_match_the_crd_schemas() {
+    let crds = crd_specs();
+    let resources = example_resources();
+    let kinds: Vec<&str> = resources
+        .iter()
+        .filter_map(|(_, d)| d["kind"].as_str())
+        .collect();
+    for k in [
+        "EnvoyFilter",
+        "WasmPlugin",
+        "EnvoyExtensionPolicy",
+        "EnvoyPatchPolicy",
+    ] {
+        assert!(kinds.contains(&k), "no {k} among the examples");
+    }
+    for (p, d) in &resources {
+        let errs = resource_errors(&crds, d);
+        assert!(errs.is_empty(), "{}:\n{}", p.display(), errs.join("\n"));
+    }
+}
+
+#[test]
+fn misspelled_fields_are_rejected() {
+    let crds = crd_specs();
+    let resources = example_resources();
+    // The first example of `kind` that contains `text`, as JSON text.
+    let find = |kind: &str, text: &str| {
+        resources
+            .iter()
+            .filter(|(_, d)| d["kind"] == kind)
+            .map(|(_, d)| serde_json::to_string(d).unwrap())
+            .find(|t| t.contains(text))
+            .unwrap_or_else(|| panic!("no {kind} example contains {text}"))
+    };
+    // (kind, original text, misspelling, expected error path fragment)
+    let cases = [
+        (
+            "WasmPlugin",
+            "\"failStrategy\"",
+            "\"failStratgy\"",
+            "WasmPlugin.spec.failStratgy",
+        ),
+        (
+            "WasmPlugin",
+            "\"UNSPECIFIED_PHASE\"",
+            "\"BEFORE_ROUTER\"",
+            "WasmPlugin.spec.phase",
+        ),
+        (
+            "EnvoyFilter",
+            "\"workloadSelector\"",
+            "\"workloadSelecter\"",
+            "spec.workloadSelecter",
+        ),
+        (
+            "EnvoyFilter",
+            "\"subFilter\"",
+            "\"sub_filter\"",
+            "filter.sub_filter",
+        ),
+        (
+            "EnvoyExtensionPolicy",
+            "\"rootID\"",
+            "\"rootId\"",
+            "wasm[0].rootId",
+        ),
+        ("EnvoyExtensionPolicy", "\"Image\"", "\"OCI\"", "code.type"),
+        (
+            "EnvoyPatchPolicy",
+            "\"jsonPath\"",
+            "\"jsonpath\"",
+            "operation.jsonpath",
+        ),
+    ];
+    for (kind, from, to, want) in cases {
+        let text = find(kind, from);
+        let bad: Value = serde_json::from_str(&text.replacen(from, to, 1)).unwrap();
+        let errs = resource_errors(&crds, &bad);
+        assert!(
+            errs.iter().any(|e| e.contains(want)),
+            "{kind}: {from} -> {to} not caught (errors: {errs:?})"
+        );
+    }
+    // A missing required field is caught as well.
+    let mut plugin: Value = serde_json::from_str(&find("WasmPlugin", "url")).unwrap();
+    plugin["spec"].as_object_mut().unwrap().remove("url");
+    let errs = resource_errors(&crds, &plugin);
+    assert!(errs.iter().any(|e| e.contains("`url` missing")), "{errs:?}");
+}
+
+// === (b) Envoy: the patches applied to representative generated config ===
+
+fn istio_filter() -> Value {
+    one_doc(&examples().join("istio/filter.yaml"), "EnvoyFilter")
+}
+
+fn eg_extension_policy() -> Value {
+    one_doc(
+        &examples().join("envoy-gateway/extension-policy.yaml"),
+        "EnvoyExtensionPolicy",
+    )
+}
+
+fn patches(filter: &Value) -> &Vec<Value> {
+    filter["spec"]["configPatches"].as_array().unwrap()
+}
+
+/// EXTENSION_CONFIG ADD patches: name → typed_config.
+fn extension_configs(filter: &Value) -> BTreeMap<String, Value> {
+    patches(filter)
+        .iter()
+        .filter(|p| p["applyTo"] == "EXTENSION_CONFIG")
+        .map(|p| {
+            assert_eq!(p["patch"]["operation"], "ADD");
+            let v = &p["patch"]["value"];
+            (
+                v["name"].as_str().unwrap().to_string(),
+                v["typed_config"].clone(),
+            )
+        })
+        .collect()
+}
+
+/// What istio-agent does to an ECDS Wasm config before Envoy sees it: the remote (oci://)
+/// code source becomes a local file.
+fn localize(mut wasm: Value, file: &Path) -> Value {
+    let code = &mut wasm["config"]["vm_config"]["code"];
+    assert!(
+        code["remote"]["http_uri"]["uri"]
+            .as_str()
+            .is_some_and(|u| u.starts_with("oci://")),
+        "expected an oci:// remote code source: {code}"
+    );
+    *code = json!({ "local": { "filename": file.display().to_string() } });
+    wasm
+}
+
+fn endpoint(ip: &str, port: u16) -> Value {
+    json!({ "endpoint": { "address": { "socket_address": { "address": ip, "port_value": port } } } })
+}
+
+fn hcm(stat_prefix: &str, cluster: &str, filters: Vec<Value>) -> Value {
+    json!({
+        "name": HCM,
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "stat_prefix": stat_prefix,
+            "route_config": {
+                "name": "routes",
+                "virtual_hosts": [{
+                    "name": "llm", "domains": ["*"],
+                    "routes": [{ "match": { "prefix": "/" }, "route": { "cluster": cluster, "timeout": "300s" } }]
+                }]
+            },
+            "http_filters": filters,
+        }
+    })
+}
+
+fn router() -> Value {
+    json!({ "name": ROUTER, "typed_config": { "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router" } })
+}
+
+/// A listener and model cluster shaped like the ones istiod generates for an ingress gateway
+/// (EDS replaced by static endpoints, mTLS left out: validate mode has no SDS).
+fn istio_generated() -> (Value, Vec<Value>) {
+    let listener = json!({
+        "name": "0.0.0.0_8080",
+        "address": { "socket_address": { "address": "0.0.0.0", "port_value": 8080 } },
+        "filter_chains": [{ "filters": [hcm("outbound_0.0.0.0_8080", ISTIO_MODEL_CLUSTER, vec![router()])] }],
+    });
+    let cluster = json!({
+        "name": ISTIO_MODEL_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "10s",
+        "lb_policy": "LEAST_REQUEST",
+        "common_lb_config": {},
+        "circuit_breakers": { "thresholds": [{
+            "max_connections": 4294967295u64, "max_pending_requests": 4294967295u64,
+            "max_requests": 4294967295u64, "max_retries": 4294967295u64, "track_remaining": true }] },
+        "metadata": { "filter_metadata": { "istio": { "services": [
+            { "host": "vllm.models.svc.cluster.local", "name": "vllm", "namespace": "models" }] } } },
+        "load_assignment": { "cluster_name": ISTIO_MODEL_CLUSTER, "endpoints": [{ "lb_endpoints": [
+            endpoint("10.0.0.5", 8000), endpoint("10.0.0.6", 8000)] }] },
+    });
+    (listener, vec![cluster])
+}
+
+fn http_filters(listener: &mut Value) -> &mut Vec<Value> {
+    listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+        .as_array_mut()
+        .unwrap()
+}
+
+/// Applies the examples' EnvoyFilter patches (both files) the way istiod would for the
+/// GATEWAY context, checking that each one finds its target.
+fn istio_bootstrap(filter: &Value, clusters: &Value, wasm: &Path) -> Value {
+    let (mut listener, mut cluster_list) = istio_generated();
+    let ext = extension_configs(filter);
+    for p in patches(filter).iter().chain(patches(clusters)) {
+        let (apply, op, value) = (
+            &p["applyTo"],
+            &p["patch"]["operation"],
+            &p["patch"]["value"],
+        );
+        if apply != "EXTENSION_CONFIG" {
+            assert_eq!(p["match"]["context"], "GATEWAY", "{p}");
+        }
+        match (apply.as_str().unwrap(), op.as_str().unwrap()) {
+            ("EXTENSION_CONFIG", "ADD") => {}
+            ("HTTP_FILTER", "INSERT_BEFORE") => {
+                let m = &p["match"]["listener"]["filterChain"]["filter"];
+                assert_eq!(m["name"], HCM);
+                let before = m["subFilter"]["name"].as_str().unwrap();
+                let name = value["name"].as_str().unwrap();
+                // Resolved through ECDS: the EXTENSION_CONFIG of the same name, localised.
+                assert_eq!(value["config_discovery"]["type_urls"][0], WASM_TYPE);
+                let typed = localize(ext[name].clone(), wasm);
+                let filters = http_filters(&mut listener);
+                let at = filters
+                    .iter()
+                    .position(|f| f["name"] == before)
+                    .unwrap_or_else(|| panic!("no {before} to insert before"));
+                filters.insert(at, json!({ "name": name, "typed_config": typed }));
+            }
+            ("CLUSTER", "MERGE") => {
+                let m = &p["match"]["cluster"];
+                let name = format!(
+                    "outbound|{}||{}",
+                    m["portNumber"],
+                    m["service"].as_str().unwrap()
+                );
+                let c = cluster_list
+                    .iter_mut()
+                    .find(|c| c["name"] == name.as_str())
+                    .unwrap_or_else(|| panic!("MERGE matches no cluster ({name})"));
+                proto_merge(c, value);
+            }
+            ("CLUSTER", "ADD") => cluster_list.push(value.clone()),
+            other => panic!("patch {other:?} not modelled by this test"),
+        }
+    }
+    json!({
+        "admin": { "address": { "socket_address": { "address": "127.0.0.1", "port_value": 15000 } } },
+        "static_resources": { "listeners": [listener], "clusters": cluster_list },
+    })
+}
+
+/// The wasm filter Envoy Gateway generates from an EnvoyExtensionPolicy entry
+/// (internal/xds/translator/wasm.go: v8, vm_id = name, config as a JSON string); the code
+/// it serves over its HTTP server is a local file here.
+fn eg_wasm_filter(entry: &Value, wasm: &Path) -> Value {
+    assert_eq!(entry["code"]["type"], "Image");
+    let name = entry["name"].as_str().unwrap();
+    json!({
+        "name": format!("envoy.filters.http.wasm/envoyextensionpolicy/models/tokenaware/{name}"),
+        "typed_config": {
+            "@type": WASM_TYPE,
+            "config": {
+                "name": name,
+                "root_id": entry["rootID"],
+                "vm_config": {
+                    "vm_id": name,
+                    "runtime": "envoy.wasm.runtime.v8",
+                    "code": { "local": { "filename": wasm.display().to_string() } }
+                },
+                "configuration": {
+                    "@type": "type.googleapis.com/google.protobuf.StringValue",
+                    "value": entry["config"].to_string()
+                },
+                "fail_open": entry["failOpen"] == true,
+            }
+        }
+    })
+}
+
+/// A listener and cluster shaped like Envoy Gateway's for HTTPRoute `models/llm` on Gateway
+/// `models/eg` (internal/xds/translator/cluster.go: locality-weighted, least request,
+/// outlier detection; EDS replaced by static endpoints), with the EnvoyExtensionPolicy's
+/// wasm filter, then the EnvoyPatchPolicy's patches applied in order.
+fn eg_bootstrap(eep: &Value, epp: &Value, wasm: &Path) -> Value {
+    let mut filters: Vec<Value> = eep["spec"]["wasm"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| eg_wasm_filter(w, wasm))
+        .collect();
+    filters.push(router());
+    let mut listeners = vec![json!({
+        "name": EG_LISTENER,
+        "address": { "socket_address": { "address": "0.0.0.0", "port_value": 10080 } },
+        "per_connection_buffer_limit_bytes": 32768,
+        "default_filter_chain": { "filters": [hcm("http-10080", EG_MODEL_CLUSTER, filters)] },
+    })];
+    let mut clusters = vec![json!({
+        "name": EG_MODEL_CLUSTER,
+        "type": "STATIC",
+        "connect_timeout": "10s",
+        "lb_policy": "LEAST_REQUEST",
+        "per_connection_buffer_limit_bytes": 32768,
+        "common_lb_config": { "locality_weighted_lb_config": {} },
+        "outlier_detection": {},
+        "circuit_breakers": { "thresholds": [{ "max_retries": 1024 }] },
+        "load_assignment": { "cluster_name": EG_MODEL_CLUSTER, "endpoints": [{ "lb_endpoints": [
+            endpoint("10.0.0.5", 8000), endpoint("10.0.0.6", 8000)] }] },
+    })];
+    for p in epp["spec"]["jsonPatches"].as_array().unwrap() {
+        let op = &p["operation"];
+        let list = match p["type"].as_str().unwrap() {
+            "type.googleapis.com/envoy.config.listener.v3.Listener" => &mut listeners,
+            "type.googleapis.com/envoy.config.cluster.v3.Cluster" => &mut clusters,
+            other => panic!("patch type {other} not modelled"),
+        };
+        let path = op["path"].as_str().unwrap_or_default();
+        if op["op"] == "remove" {
+            let name = p["name"].as_str().unwrap();
+            let target = list.iter_mut().find(|r| r["name"] == name).unwrap();
+            pointer_remove(target, path).unwrap_or_else(|| panic!("nothing to remove: {p}"));
+            continue;
+        }
+        assert_eq!(op["op"], "add", "only add and remove are modelled: {p}");
+        if path.is_empty() && op["jsonPath"].is_null() {
+            assert_eq!(
+                op["value"]["name"], p["name"],
+                "added resource is named as the patch"
+            );
+            list.push(op["value"].clone());
+            continue;
+        }
+        let name = p["name"].as_str().unwrap();
+        let target = list
+            .iter_mut()
+            .find(|r| r["name"] == name)
+            .unwrap_or_else(|| panic!("patch names no generated resource: {name}"));
+        let pointers = match op["jsonPath"].as_str() {
+            Some(expr) => json_path(target, expr),
+            None => vec![String::new()],
+        };
+        assert!(!pointers.is_empty(), "jsonPath matches nothing: {p}");
+        for base in pointers {
+            pointer_add(target, &format!("{base}{path}"), op["value"].clone());
+        }
+    }
+    json!({
+        "admin": { "address": { "socket_address": { "address": "127.0.0.1", "port_value": 19000 } } },
+        "static_resources": { "listeners": listeners, "clusters": clusters },
+    })
+}
+
+/// `envoy --mode validate` on `bootstrap`: Ok or Envoy's complaint.
+fn envoy_validate(name: &str, bootstrap: &Value) -> Result<(), String> {
+    let dir = std::env::temp_dir().join(format!("tokenaware-deploy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{name}.json"));
+    std::fs::write(&path, serde_json::to_vec_pretty(bootstrap).unwrap()).unwrap();
+    let out = Command::new(envoy_binary().unwrap())
+        .args([
+            "--mode",
+            "validate",
+            "--disable-hot-restart",
+            "-l",
+            "warn",
+            "-c",
+        ])
+        .arg(&path)
+        .output()
+        .unwrap();
+    if out.status.success() {
+        let _ = std::fs::remove_file(&path);
+        Ok(())
+    } else {
+        Err(format!(
+            "{}: {}{}",
+            path.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+/// Makes every wasm filter fail closed, so that `--mode validate` (which loads the module
+/// and runs its `on_configure` in V8) fails on a plugin configuration the filter refuses;
+/// the examples themselves fail open.
+fn fail_closed(v: &mut Value) {
+    match v {
+        Value::Object(o) => {
+            if o.get("@type").and_then(Value::as_str) == Some(WASM_TYPE) {
+                let c = o["config"].as_object_mut().unwrap();
+                let open = c.remove("fail_open") == Some(json!(true))
+                    || c.get("failure_policy") == Some(&json!("FAIL_OPEN"));
+                assert!(open, "example filters should fail open: {c:?}");
+                c.insert("failure_policy".into(), json!("FAIL_CLOSED"));
+            }
+            o.values_mut().for_each(fail_closed);
+        }
+        Value::Array(a) => a.iter_mut().for_each(fail_closed),
+        _ => {}
+    }
+}
+
+/// The same bootstrap with the tokenaware plugin configuration broken (an unknown field).
+fn with_bad_plugin_config(boot: &Value) -> Value {
+    let text = serde_json::to_string(boot).unwrap();
+    let (from, to) = (r#"\"preset\""#, r#"\"presett\""#);
+    assert!(text.contains(from), "no preset in the plugin configuration");
+    serde_json::from_str(&text.replace(from, to)).unwrap()
+}
+
+fn filter_named<'a>(listener: &'a Value, root_id: &str) -> &'a Value {
+    let filters = listener
+        .pointer("/filter_chains/0/filters/0/typed_config/http_filters")
+        .or_else(|| listener.pointer("/default_filter_chain/filters/0/typed_config/http_filters"))
+        .and_then(Value::as_array)
+        .unwrap();
+    let names: Vec<&str> = filters.iter().filter_map(|f| f["name"].as_str()).collect();
+    assert_eq!(
+        names.last(),
+        Some(&ROUTER),
+        "router must stay last: {names:?}"
+    );
+    filters
+        .iter()
+        .find(|f| f["typed_config"]["config"]["root_id"] == root_id)
+        .unwrap_or_else(|| panic!("no wasm filter with root_id {root_id} in {names:?}"))
+}
+
+#[test]
+fn istio_patches_give_a_valid_envoy_config() {
+    if !have_envoy() {
+        return;
+    }
+    let clusters = one_doc(&examples().join("istio/clusters.yaml"), "EnvoyFilter");
+    let boot = istio_bootstrap(&istio_filter(), &clusters, &wasm_path());
+    let listener = &boot["static_resources"]["listeners"][0];
+    let f = filter_named(listener, "tokenaware");
+    assert_eq!(
+        f["typed_config"]["config"]["allow_on_headers_stop_iteration"],
+        true
+    );
+    let cs = boot["static_resources"]["clusters"].as_array().unwrap();
+    let model = cs
+        .iter()
+        .find(|c| c["name"] == ISTIO_MODEL_CLUSTER)
+        .unwrap();
+    // Istio's own fields survive the merge.
+    assert_eq!(model["lb_policy"], "LEAST_REQUEST");
+    assert!(model["circuit_breakers"].is_object() && model["metadata"].is_object());
+    assert_eq!(
+        model["load_balancing_policy"]["policies"][0]["typed_extension_config"]["name"],
+        "envoy.load_balancing_policies.override_host"
+    );
+    assert!(cs.iter().any(|c| c["name"] == "tokenaware_admin"));
+    let mut boot = boot;
+    fail_closed(&mut boot);
+    envoy_validate("istio", &boot).unwrap();
+    // The module really checks the embedded configuration during validation.
+    let e = envoy_validate("istio-bad-config", &with_bad_plugin_config(&boot)).unwrap_err();
+    assert!(e.contains("Wasm"), "{e}");
+
+    // Envoy itself rejects a misspelled field in the merged cluster.
+    let text = serde_json::to_string(&boot).unwrap();
+    assert!(text.contains("override_host_sources"));
+    let bad: Value =
+        serde_json::from_str(&text.replace("override_host_sources", "override_host_source"))
+            .unwrap();
+    let e = envoy_validate("istio-bad", &bad).unwrap_err();
+    assert!(e.contains("override_host_source"), "{e}");
+}
+
+#[test]
+fn envoy_gateway_patches_give_a_valid_envoy_config() {
+    if !have_envoy() {
+        return;
+    }
+    let epp = one_doc(
+        &examples().join("envoy-gateway/patch-policy.yaml"),
+        "EnvoyPatchPolicy",
+    );
+    let boot = eg_bootstrap(&eg_extension_policy(), &epp, &wasm_path());
+    let listener = &boot["static_resources"]["listeners"][0];
+    let f = filter_named(listener, "tokenaware");
+    assert_eq!(
+        f["typed_config"]["config"]["allow_on_headers_stop_iteration"],
+        true
+    );
+    let cs = boot["static_resources"]["clusters"].as_array().unwrap();
+    let model = cs.iter().find(|c| c["name"] == EG_MODEL_CLUSTER).unwrap();
+    assert_eq!(
+        model["load_balancing_policy"]["policies"][0]["typed_extension_config"]["name"],
+        "envoy.load_balancing_policies.override_host"
+    );
+    assert!(cs.iter().any(|c| c["name"] == "tokenaware_admin"));
+    assert!(model["common_lb_config"]
+        .get("locality_weighted_lb_config")
+        .is_none());
+    let mut boot = boot;
+    fail_closed(&mut boot);
+    envoy_validate("envoy-gateway", &boot).unwrap();
+    let e = envoy_validate("eg-bad-config", &with_bad_plugin_config(&boot)).unwrap_err();
+    assert!(e.contains("Wasm"), "{e}");
+
+    // Without the `remove` patch Envoy refuses the cluster Envoy Gateway generates.
+    let mut partial = epp.clone();
+    partial["spec"]["jsonPatches"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|p| p["operation"]["op"] != "remove");
+    let mut boot = eg_bootstrap(&eg_extension_policy(), &partial, &wasm_path());
+    fail_closed(&mut boot);
+    let e = envoy_validate("envoy-gateway-no-remove", &boot).unwrap_err();
+    assert!(e.contains("cannot be combined"), "{e}");
+}
