@@ -96,10 +96,12 @@ pub enum Counter {
     UsageCachedTokens,
     /// A ledger or index update at first byte / stream end failed.
     ReleaseErrors,
+    /// Endpoints seen to restart cold (their index entries dropped).
+    EndpointResets,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 13] = [
+    pub const ALL: [Counter; 14] = [
         Counter::Routed,
         Counter::Released,
         Counter::FailedEarly,
@@ -113,6 +115,7 @@ impl Counter {
         Counter::UsagePromptTokens,
         Counter::UsageCachedTokens,
         Counter::ReleaseErrors,
+        Counter::EndpointResets,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -130,6 +133,7 @@ impl Counter {
             Counter::UsagePromptTokens => "tokenaware_usage_prompt_tokens",
             Counter::UsageCachedTokens => "tokenaware_usage_cached_tokens",
             Counter::ReleaseErrors => "tokenaware_release_errors",
+            Counter::EndpointResets => "tokenaware_endpoint_resets",
         }
     }
 
