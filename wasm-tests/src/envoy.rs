@@ -127,6 +127,10 @@ pub struct GatewayConfig {
     /// Serve the `models` cluster's endpoints from a watched EDS file, so
     /// [`Envoy::set_endpoints`] can change them at runtime.
     pub dynamic_endpoints: bool,
+    /// Keep the template's `header_mutation` filter that removes client-sent destination
+    /// headers before the wasm filter (render.sh keeps it; off here by default so tests see
+    /// the filter's own stripping).
+    pub strip_client_destination: bool,
 }
 
 impl GatewayConfig {
@@ -144,6 +148,7 @@ impl GatewayConfig {
             admin_cluster_port: None,
             dynamic_listener: false,
             dynamic_endpoints: false,
+            strip_client_destination: false,
         }
     }
 
@@ -185,8 +190,12 @@ impl GatewayConfig {
                 skipping = self.wasm.is_none();
                 continue;
             }
-            if t == "#@wasm-end" {
+            if t == "#@wasm-end" || t == "#@strip-end" {
                 skipping = false;
+                continue;
+            }
+            if t == "#@strip-begin" {
+                skipping = !self.strip_client_destination;
                 continue;
             }
             if !skipping {
@@ -671,10 +680,18 @@ mod tests {
             .all(|l| !l.contains("${")));
         assert!(plain.contains("port_value: 8001"));
         let wasm = std::env::current_exe().unwrap(); // any existing file will do for rendering
+        let base = c.clone();
         let w = c.with_wasm(&wasm, r#"{"a":"it's"}"#).render().unwrap();
         assert!(w.contains("envoy.filters.http.wasm"));
         assert!(w.contains(r#"value: '{"a":"it''s"}'"#));
         assert!(w.contains("allow_on_headers_stop_iteration: true"));
+        assert!(!w.contains("header_mutation") && !w.contains("#@"));
+        let mut strip = base.with_wasm(&wasm, "{}");
+        strip.strip_client_destination = true;
+        assert!(strip
+            .render()
+            .unwrap()
+            .contains("- remove: x-gateway-destination-endpoint\n"));
     }
 
     #[test]
