@@ -26,6 +26,7 @@ async fn a_killed_endpoint_loses_only_its_in_flight_requests_and_traffic_moves_a
     }
     let gw = start(fleet(3, 0.05), |eps| plugin_config(eps, POLL)).await;
     let eps = gw.fleet.endpoints();
+    // Six workers; the last two stream (a stream cut after its first byte cannot be retried).
     let workers = 6;
     let stop = Arc::new(AtomicBool::new(false));
     let load = tokio::spawn(closed_loop(
@@ -33,7 +34,16 @@ async fn a_killed_endpoint_loses_only_its_in_flight_requests_and_traffic_moves_a
         workers,
         500,
         stop.clone(),
-        |w, i| chat(&system(w, 12_000), &format!("q{i}")),
+        |w, i| {
+            if w < 4 {
+                chat(&system(w, 12_000), &format!("q{i}"))
+            } else {
+                json!({"model": MODEL, "stream": true, "max_tokens": 40,
+                    "messages": [{"role": "system", "content": system(w, 12_000)},
+                                 {"role": "user", "content": format!("q{i}")}]})
+                .to_string()
+            }
+        },
     ));
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     // Kill the endpoint that served most so far (it holds warm prefixes).
@@ -49,9 +59,19 @@ async fn a_killed_endpoint_loses_only_its_in_flight_requests_and_traffic_moves_a
     stop.store(true, Ordering::Relaxed);
     let r = load.await.unwrap();
     let total = r.answers.len() + r.errors.len();
-    let bad: Vec<_> = r.answers.iter().filter(|a| a.status != 200).collect();
+    // Lost: an error status, or a body cut short (no usage / no [DONE]).
+    let complete = |a: &Answer| {
+        a.body.contains("\"usage\"") && (!a.body.starts_with("data:") || a.body.contains("[DONE]"))
+    };
+    let bad: Vec<_> = r
+        .answers
+        .iter()
+        .filter(|a| a.status != 200 || !complete(a))
+        .collect();
+    let streams = r.count(|a| a.body.starts_with("data:"));
+    assert!(streams > 5, "{streams} streams");
     eprintln!(
-        "{total} requests, {} not 200, {} transport errors; dead detected after {detected:?}",
+        "{total} requests, {} lost (error status or cut stream), {} transport errors; dead detected after {detected:?}",
         bad.len(),
         r.errors.len()
     );

@@ -278,6 +278,20 @@ impl Gateway {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         assert_eq!(self.stat("tokenaware_release_errors"), 0);
+        // The per-endpoint in-flight gauges (set by the poller's tick) read zero too.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let (_, body) = self
+                .envoy
+                .admin_get("/stats?filter=tokenaware_endpoint_.*_inflight_tokens")
+                .unwrap();
+            let busy: Vec<&str> = body.lines().filter(|l| !l.ends_with(": 0")).collect();
+            if busy.is_empty() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "in-flight gauges: {busy:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     pub async fn fleet_control(&self, endpoint: &str, what: &str, body: &str) {
