@@ -549,3 +549,81 @@ async fn a_trap_in_the_filter_recovers_per_failure_policy() {
         }
     }
 }
+
+/// The fleet's own fault modes, without Envoy: what the tests above rely on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleet_kills_restarts_cold_and_breaks_its_metrics() {
+    let fleet = Fleet::start_on_free_ports(support::fleet(2, 0.01)).unwrap();
+    let ep = fleet.endpoints()[0].clone();
+    let http = client();
+    let body = json!({"model": MODEL, "prompt": "warm me up ".repeat(2_000), "max_tokens": 2});
+    let cached =
+        |v: serde_json::Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    let post = || {
+        http.post(format!("http://{ep}/v1/completions"))
+            .json(&body)
+            .send()
+    };
+    post().await.unwrap();
+    let v: serde_json::Value = post().await.unwrap().json().await.unwrap();
+    assert!(cached(v).unwrap() > 0);
+    fleet.kill(0).unwrap();
+    assert!(post().await.is_err(), "a killed endpoint still answers");
+    assert!(fleet.kill(0).is_err());
+    fleet.restart(0).unwrap();
+    assert!(fleet.restart(0).is_err());
+    let v: serde_json::Value = post().await.unwrap().json().await.unwrap();
+    assert_eq!(cached(v), Some(0), "restarted warm");
+    let metrics = |ep: String| {
+        let http = http.clone();
+        async move {
+            let r = http
+                .get(format!("http://{ep}/metrics"))
+                .timeout(Duration::from_secs(1))
+                .send()
+                .await;
+            match r {
+                Ok(r) => Some((r.status().as_u16(), r.bytes().await.unwrap().to_vec())),
+                Err(_) => None,
+            }
+        }
+    };
+    let (status, text) = metrics(ep.clone()).await.unwrap();
+    assert_eq!(status, 200);
+    assert!(String::from_utf8_lossy(&text).contains("vllm:prefix_cache_queries_total"));
+    let set = |fault: &'static str| {
+        let (http, ep) = (http.clone(), ep.clone());
+        async move {
+            http.post(format!("http://{ep}/fleet/metrics-fault"))
+                .body(fault)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(set("garbage").await, 204);
+    let (status, text) = metrics(ep.clone()).await.unwrap();
+    assert!(status == 200 && std::str::from_utf8(&text).is_err());
+    assert_eq!(set("500").await, 204);
+    assert_eq!(metrics(ep.clone()).await.unwrap().0, 500);
+    assert_eq!(set("slow").await, 204);
+    assert!(
+        metrics(ep.clone()).await.is_none(),
+        "slow metrics answered within 1 s"
+    );
+    assert_eq!(set("bogus").await, 400);
+    assert_eq!(set("").await, 204);
+    assert_eq!(metrics(ep.clone()).await.unwrap().0, 200);
+    let c = http
+        .get(format!("http://{ep}/fleet/counters"))
+        .send()
+        .await
+        .unwrap()
+        .json::<serde_json::Value>()
+        .await
+        .unwrap();
+    assert_eq!(c["metricsRequests"], 5);
+    assert_eq!(c["inferenceRequests"], 1);
+}

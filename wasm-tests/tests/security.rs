@@ -409,3 +409,18 @@ async fn the_strip_filter_in_front_keeps_routing_intact() {
     assert_eq!(gw.stat("tokenaware_client_header_stripped"), 0);
     gw.assert_settled().await;
 }
+
+/// The trap trigger exists only in `fault-injection` builds.
+#[test]
+fn the_release_module_has_no_trap_trigger() {
+    let wasm = std::fs::read(wasm_path()).unwrap();
+    let has = |needle: &[u8]| wasm.windows(needle.len()).any(|w| w == needle);
+    assert!(
+        has(b"x-gateway-destination-endpoint"),
+        "not the filter module"
+    );
+    assert!(
+        !has(b"x-tokenaware-fault"),
+        "release module carries the trap trigger"
+    );
+}
