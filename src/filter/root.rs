@@ -22,7 +22,9 @@
 //! live on until their listener has drained (minutes). Each configuration takes a generation
 //! in shared data (`{namespace}/config`: hash of its bytes, generation); a root whose
 //! generation is older than the newest stops taking the lease, so the poller moves to the new
-//! configuration within a lease TTL. Tables in shared data carry over; per-VM state does not.
+//! configuration within a lease TTL. Tables in shared data carry over (a new static endpoint
+//! list is reconciled into the stored table, keeping the slots of endpoints that stay);
+//! per-VM state does not.
 
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
@@ -97,8 +99,9 @@ impl Root {
     pub fn configure<H: Host>(h: &H, bytes: &[u8], id: u64) -> Result<Root, ConfigError> {
         let cfg = Config::from_json(bytes)?;
         let vm = Rc::new(Vm::new(h, cfg, id));
-        let generation = claim_generation(h, &vm.keys.config, xxhash_rust::xxh3::xxh3_64(bytes));
-        Ok(Root {
+        let (generation, newest) =
+            claim_generation(h, &vm.keys.config, xxhash_rust::xxh3::xxh3_64(bytes));
+        let root = Root {
             generation,
             vm,
             calls: HashMap::new(),
@@ -109,7 +112,45 @@ impl Root {
             envoy_down: HashSet::new(),
             prefix_queries: HashMap::new(),
             gauges: HashMap::new(),
-        })
+        };
+        if newest && root.vm.cfg.discovery.is_none() {
+            root.adopt_static_list(h);
+        }
+        Ok(root)
+    }
+
+    /// A new configuration's static endpoint list replaces the one in shared data (written by
+    /// an earlier configuration's poller): endpoints that stay keep their slot, health and
+    /// index entries; removed and added slots are cleared.
+    fn adopt_static_list<H: Host>(&self, h: &H) {
+        let list = self.vm.static_table().clone();
+        let max = self.vm.cfg.max_endpoints as usize;
+        let r = self.update_table(h, |t| {
+            let found: Vec<(String, bool)> = list
+                .endpoints
+                .iter()
+                .map(|e| {
+                    (
+                        e.address.clone(),
+                        t.get(&e.address).is_none_or(|x| x.healthy),
+                    )
+                })
+                .collect();
+            let changes = t.reconcile(&found, max, 1);
+            for e in &mut t.endpoints {
+                if let Some(c) = list.get(&e.address) {
+                    e.capacity_blocks = c.capacity_blocks;
+                }
+            }
+            (changes, t.clone())
+        });
+        let Ok((changes, table)) = r else { return };
+        if let Ok(router) = self.vm.router.try_borrow() {
+            for slot in changes.removed.iter().chain(changes.added.iter()) {
+                let _ = router.clear_slot(h, *slot);
+            }
+            let _ = router.sync_capacities(h, &table.endpoints);
+        }
     }
 
     pub fn vm(&self) -> Rc<Vm> {
@@ -495,8 +536,9 @@ impl Root {
 }
 
 /// The generation of the configuration with this hash: the stored one when it is the newest,
-/// else the next (this configuration becomes the newest). 0 when shared data fails.
-fn claim_generation<S: SharedStore + ?Sized>(s: &S, key: &str, hash: u64) -> u64 {
+/// else the next (this configuration becomes the newest; then the flag is true). 0 when shared
+/// data fails.
+fn claim_generation<S: SharedStore + ?Sized>(s: &S, key: &str, hash: u64) -> (u64, bool) {
     let claimed = update(s, key, |old| {
         if old.len() >= 16 && read_u64(old, 0) == hash {
             return None;
@@ -508,12 +550,12 @@ fn claim_generation<S: SharedStore + ?Sized>(s: &S, key: &str, hash: u64) -> u64
         Some((b, generation))
     });
     match claimed {
-        Ok(Some(g)) => g,
+        Ok(Some(g)) => (g, true),
         Ok(None) => match s.get(key) {
-            Ok((Some(v), _)) => read_u64(&v, 8),
-            _ => 0,
+            Ok((Some(v), _)) => (read_u64(&v, 8), false),
+            _ => (0, false),
         },
-        Err(_) => 0,
+        Err(_) => (0, false),
     }
 }
 

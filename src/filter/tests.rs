@@ -798,3 +798,49 @@ fn a_new_configuration_takes_the_poller_lease() {
     }
     assert_eq!(lease(&h), 4);
 }
+
+#[test]
+fn a_new_static_list_replaces_the_stored_table_and_keeps_slots() {
+    let h = FakeHost::new();
+    let mut a = root(&h, &format!("{METRICS},\"decisionHeader\":true"), 1);
+    poll_round(&h, &mut a, |_| queries(1));
+    let vm_a = a.vm();
+    // Warm a prefix somewhere other than 8001.
+    let mut body = Vec::new();
+    let mut warm = String::new();
+    for g in 0..20 {
+        body = chat(&format!("keep me {g} ").repeat(500), "q");
+        warm = reason_of(&h, &vm_a, &body).0;
+        if !warm.ends_with("8001") {
+            break;
+        }
+    }
+    let slot = vm_a.table(&h).get(&warm).unwrap().slot;
+    let json = r#"{"endpoints":[{"address":"127.0.0.1:8002"},{"address":"127.0.0.1:8003"},{"address":"127.0.0.1:8004"}],"decisionHeader":true}"#;
+    let b = match Root::configure(&h, json.as_bytes(), 2) {
+        Ok(r) => r,
+        Err(e) => panic!("{e}"),
+    };
+    let vm_b = b.vm();
+    let t = vm_b.table(&h);
+    let seen: Vec<(&str, u16)> = t
+        .endpoints
+        .iter()
+        .map(|e| (e.address.as_str(), e.slot))
+        .collect();
+    assert_eq!(
+        seen,
+        vec![
+            ("127.0.0.1:8002", 1),
+            ("127.0.0.1:8003", 2),
+            ("127.0.0.1:8004", 0)
+        ]
+    );
+    assert_eq!(t.get(&warm).unwrap().slot, slot);
+    assert_eq!(reason_of(&h, &vm_b, &body), (warm, "sticky".into()));
+    for q in 0..6 {
+        let (mut f, _) = send(&h, &vm_b, CHAT, &chat(&format!("s{q}"), "q"));
+        assert!(!h.header_values(DESTINATION)[0].contains("8001"));
+        respond(&h, &mut f, b"{}");
+    }
+}

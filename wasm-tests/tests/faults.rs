@@ -627,3 +627,58 @@ async fn the_fleet_kills_restarts_cold_and_breaks_its_metrics() {
     assert_eq!(c["metricsRequests"], 5);
     assert_eq!(c["inferenceRequests"], 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_runtime_reconfiguration_with_a_new_endpoint_list_takes_effect() {
+    if !have_envoy() {
+        return;
+    }
+    let mut gw = start_with(
+        fleet(3, 0.01),
+        wasm_path(),
+        |g| GatewayConfig {
+            dynamic_listener: true,
+            ..g
+        },
+        |eps| plugin_config(eps, POLL),
+    )
+    .await;
+    let eps = gw.fleet.endpoints();
+    // Polls have written the table to shared data.
+    gw.stat_at_least("tokenaware_polls_ok", 6, 10).await;
+    // The operator drops the first endpoint from the list.
+    let cfg = plugin_config(&eps[1..], POLL);
+    let envoy = &mut gw.envoy;
+    assert!(tokio::task::block_in_place(|| envoy.set_plugin_config(&cfg)).unwrap());
+    gw.http = reqwest::Client::builder()
+        .timeout(CLIENT_TIMEOUT)
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    let d = gw
+        .debug_until("the new list", |d| {
+            d["endpoints"].as_array().unwrap().len() == 2
+        })
+        .await;
+    assert!(d["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|e| e["address"] != eps[0].as_str()));
+    for g in 0..9 {
+        let a = gw.post(CHAT, chat(&system(400 + g, 4_000), "q")).await;
+        assert_eq!(a.status, 200);
+        assert!(!a.decision.contains(&eps[0]), "{}", a.decision);
+    }
+    // The dropped endpoint is no longer polled.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let before = gw.fleet_counters(&eps[0]).await["metricsRequests"]
+        .as_u64()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let after = gw.fleet_counters(&eps[0]).await["metricsRequests"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(after, before, "the dropped endpoint is still polled");
+    gw.assert_settled().await;
+}
