@@ -14,9 +14,9 @@
 //! query counter (`vllm:prefix_cache_queries_total`, a counter) went down between two
 //! scrapes (a restart between polls), when a poll succeeds again after the endpoint was
 //! taken out of rotation (down, maybe restarted: one cold fill is the price of being wrong),
-//! and (discovery) when Envoy reports a host healthy again after it was not. Then the endpoint's index entries are dropped (its ledger stays:
-//! requests still in flight release their own charges) and `tokenaware_endpoint_resets`
-//! counts it.
+//! and (discovery) when Envoy reports a host healthy again after it was not. Then the
+//! endpoint's index entries are dropped (its ledger stays: requests still in flight release
+//! their own charges) and `tokenaware_endpoint_resets` counts it.
 //!
 //! Reconfiguration. A new plugin configuration makes new root contexts, while the old ones
 //! live on until their listener has drained (minutes). Each configuration takes a generation
@@ -24,7 +24,8 @@
 //! generation is older than the newest stops taking the lease, so the poller moves to the new
 //! configuration within a lease TTL. Tables in shared data carry over (a new static endpoint
 //! list is reconciled into the stored table, keeping the slots of endpoints that stay);
-//! per-VM state does not.
+//! per-VM state does not. So one namespace should serve one configuration at a time: two
+//! listeners with different configurations in one namespace leave polling to the newer.
 
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
