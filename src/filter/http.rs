@@ -190,6 +190,9 @@ impl HttpFilter {
             return;
         }
         vm.stats.inc(h, Counter::ServedByFallback);
+        if !slot_is_ours(h, vm, routed) {
+            return;
+        }
         if let Ok(r) = vm.router.try_borrow() {
             if r.finish(h, routed, Outcome::FailedEarly).is_err() {
                 vm.stats.inc(h, Counter::ReleaseErrors);
@@ -232,10 +235,12 @@ impl HttpFilter {
             vm.stats.inc(h, Counter::FailedEarly);
             Outcome::FailedEarly
         };
-        let released = match vm.router.try_borrow() {
-            Ok(r) => r.finish(h, &mut routed, outcome).is_ok(),
-            Err(_) => false,
-        };
+        // An endpoint that left took its charges with it (its slot was cleared).
+        let released = !slot_is_ours(h, &vm, &routed)
+            || match vm.router.try_borrow() {
+                Ok(r) => r.finish(h, &mut routed, outcome).is_ok(),
+                Err(_) => false,
+            };
         if released {
             vm.stats.inc(h, Counter::Released);
         } else {
@@ -269,13 +274,14 @@ impl HttpFilter {
         let (Some(routed), Some(vm)) = (self.routed.as_mut(), self.vm.as_ref()) else {
             return;
         };
-        let ok = match vm.router.try_borrow() {
-            Ok(r) => match h.now_ms() {
-                Ok(now) => r.first_byte(h, routed, now).is_ok(),
+        let ok = !slot_is_ours(h, vm, routed)
+            || match vm.router.try_borrow() {
+                Ok(r) => match h.now_ms() {
+                    Ok(now) => r.first_byte(h, routed, now).is_ok(),
+                    Err(_) => false,
+                },
                 Err(_) => false,
-            },
-            Err(_) => false,
-        };
+            };
         if !ok {
             vm.stats.inc(h, Counter::ReleaseErrors);
         }
@@ -365,6 +371,23 @@ impl HttpFilter {
         }
         Action::Continue
     }
+}
+
+/// Whether the picked endpoint still holds the slot it was charged on. Discovery clears a
+/// departed endpoint's slot and may give it to a new endpoint at once: a request still in
+/// flight on the old one must not return its charge (or undo its index insert) there.
+fn slot_is_ours<H: Host>(h: &H, vm: &Vm, routed: &Routed) -> bool {
+    // Without discovery the table never changes hands: skip the lookup.
+    if vm.cfg.discovery.is_none() {
+        return true;
+    }
+    let Some(picked) = routed.addresses.first() else {
+        return false;
+    };
+    vm.table(h)
+        .endpoints
+        .iter()
+        .any(|e| e.slot == routed.charge.slot && e.address == *picked)
 }
 
 fn path_is(path: &str, want: &str) -> bool {

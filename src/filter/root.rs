@@ -8,6 +8,24 @@
 //! that one endpoint, at most one poll in flight per endpoint, and (c) publishes each
 //! endpoint's in-flight tokens as a gauge. The table goes to shared data as JSON with CAS;
 //! every VM re-reads it when its version changes (see `vm`).
+//!
+//! Cold restarts. A restarted model server has an empty prefix cache, so its index entries
+//! must go. The poller takes a restart to have happened when the endpoint's prefix-cache
+//! query counter (`vllm:prefix_cache_queries_total`, a counter) went down between two
+//! scrapes (a restart between polls), when a poll succeeds again after the endpoint was
+//! taken out of rotation (down, maybe restarted: one cold fill is the price of being wrong),
+//! and (discovery) when Envoy reports a host healthy again after it was not. Then the
+//! endpoint's index entries are dropped (its ledger stays: requests still in flight release
+//! their own charges) and `tokenaware_endpoint_resets` counts it.
+//!
+//! Reconfiguration. A new plugin configuration makes new root contexts, while the old ones
+//! live on until their listener has drained (minutes). Each configuration takes a generation
+//! in shared data (`{namespace}/config`: hash of its bytes, generation); a root whose
+//! generation is older than the newest stops taking the lease, so the poller moves to the new
+//! configuration within a lease TTL. Tables in shared data carry over (a new static endpoint
+//! list is reconciled into the stored table, keeping the slots of endpoints that stay);
+//! per-VM state does not. So one namespace should serve one configuration at a time: two
+//! listeners with different configurations in one namespace leave polling to the newer.
 
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
@@ -20,7 +38,7 @@ use crate::config::{Config, ConfigError};
 use crate::endpoints::{Changes, EndpointTable};
 use crate::estimator::Estimate;
 use crate::prometheus::{parse_metrics, ServerMetrics};
-use crate::store::{update, StoreError};
+use crate::store::{read_u64, update, write_u64, SharedStore, StoreError};
 
 /// Largest `/metrics` body read (vLLM's can be hundreds of KiB of histograms).
 pub const MAX_METRICS_BYTES: usize = 1 << 20;
@@ -70,8 +88,12 @@ pub struct Root {
     failures: HashMap<String, u32>,
     /// Endpoints Envoy reports unhealthy (discovery).
     envoy_down: HashSet<String>,
+    /// Last scraped prefix-cache query counter per endpoint (restart detection).
+    prefix_queries: HashMap<String, f64>,
     /// Gauge ids by metric name.
     gauges: HashMap<String, u32>,
+    /// This configuration's generation (see the module docs).
+    generation: u64,
 }
 
 impl Root {
@@ -94,16 +116,59 @@ impl Root {
                 if cfg.metrics.is_some() { "on" } else { "off" },
             ),
         );
-        Ok(Root {
-            vm: Rc::new(Vm::new(h, cfg, id)),
+        let vm = Rc::new(Vm::new(h, cfg, id));
+        let (generation, newest) =
+            claim_generation(h, &vm.keys.config, xxhash_rust::xxh3::xxh3_64(bytes));
+        let root = Root {
+            generation,
+            vm,
             calls: HashMap::new(),
             polling: HashSet::new(),
             next_discovery_ms: 0,
             next_metrics_ms: 0,
             failures: HashMap::new(),
             envoy_down: HashSet::new(),
+            prefix_queries: HashMap::new(),
             gauges: HashMap::new(),
-        })
+        };
+        if newest && root.vm.cfg.discovery.is_none() {
+            root.adopt_static_list(h);
+        }
+        Ok(root)
+    }
+
+    /// A new configuration's static endpoint list replaces the one in shared data (written by
+    /// an earlier configuration's poller): endpoints that stay keep their slot, health and
+    /// index entries; removed and added slots are cleared.
+    fn adopt_static_list<H: Host>(&self, h: &H) {
+        let list = self.vm.static_table().clone();
+        let max = self.vm.cfg.max_endpoints as usize;
+        let r = self.update_table(h, |t| {
+            let found: Vec<(String, bool)> = list
+                .endpoints
+                .iter()
+                .map(|e| {
+                    (
+                        e.address.clone(),
+                        t.get(&e.address).is_none_or(|x| x.healthy),
+                    )
+                })
+                .collect();
+            let changes = t.reconcile(&found, max, 1);
+            for e in &mut t.endpoints {
+                if let Some(c) = list.get(&e.address) {
+                    e.capacity_blocks = c.capacity_blocks;
+                }
+            }
+            (changes, t.clone())
+        });
+        let Ok((changes, table)) = r else { return };
+        if let Ok(router) = self.vm.router.try_borrow() {
+            for slot in changes.removed.iter().chain(changes.added.iter()) {
+                let _ = router.clear_slot(h, *slot);
+            }
+            let _ = router.sync_capacities(h, &table.endpoints);
+        }
     }
 
     pub fn vm(&self) -> Rc<Vm> {
@@ -234,6 +299,12 @@ impl Root {
     }
 
     fn hold_lease<H: Host>(&self, h: &H, now: u64) -> bool {
+        // A newer configuration exists: leave polling to its roots.
+        if let Ok((Some(v), _)) = h.get(&self.vm.keys.config) {
+            if read_u64(&v, 8) > self.generation {
+                return false;
+            }
+        }
         let ttl = (3 * self.tick_period_ms()).max(1_000);
         let Ok((v, cas)) = h.get(&self.vm.keys.lease) else {
             return false;
@@ -282,7 +353,16 @@ impl Root {
 
     fn poll_ok<H: Host>(&mut self, h: &H, address: &str, m: &ServerMetrics) {
         self.vm.stats.inc(h, Counter::PollsOk);
-        self.failures.remove(address);
+        let was_down = self
+            .failures
+            .remove(address)
+            .is_some_and(|n| n >= UNHEALTHY_AFTER);
+        let counter_reset = m.prefix_queries.is_some_and(|q| {
+            self.prefix_queries
+                .insert(address.to_string(), q)
+                .is_some_and(|before| q < before)
+        });
+        let restarted = was_down || counter_reset;
         let now = h.now_ms().unwrap_or(0);
         let healthy = !self.envoy_down.contains(address);
         let capacity = match (m.num_gpu_blocks, m.block_size) {
@@ -297,18 +377,35 @@ impl Root {
             e.running = m.running;
             e.scraped_at_ms = now;
             e.healthy = healthy;
-            match capacity {
-                Some(c) if c != e.capacity_blocks => {
-                    e.capacity_blocks = c;
-                    Some((e.slot, c))
-                }
-                _ => None,
+            let changed = capacity.filter(|c| *c != e.capacity_blocks);
+            if let Some(c) = changed {
+                e.capacity_blocks = c;
             }
+            Some((e.slot, changed))
         });
-        if let Ok(Some((slot, c))) = r {
-            if let Ok(router) = self.vm.router.try_borrow() {
-                let _ = router.index.set_capacity(h, slot, c);
-            }
+        let Ok(Some((slot, capacity))) = r else {
+            return;
+        };
+        if let (Some(c), Ok(router)) = (capacity, self.vm.router.try_borrow()) {
+            let _ = router.index.set_capacity(h, slot, c);
+        }
+        if restarted {
+            self.endpoint_reset(h, address, slot);
+        }
+    }
+
+    /// A cold restart: the endpoint's cache is empty, so its index entries go.
+    fn endpoint_reset<H: Host>(&self, h: &H, address: &str, slot: u16) {
+        let cleared = match self.vm.router.try_borrow() {
+            Ok(router) => router.index.clear_endpoint(h, slot).is_ok(),
+            Err(_) => false,
+        };
+        if cleared {
+            self.vm.stats.inc(h, Counter::EndpointResets);
+            h.log(
+                Level::Info,
+                &format!("tokenaware: {address} restarted (cold); its prefix index is cleared"),
+            );
         }
     }
 
@@ -331,11 +428,13 @@ impl Root {
 
     fn discovered<H: Host>(&mut self, h: &H, found: Vec<(String, bool)>) {
         self.vm.stats.inc(h, Counter::DiscoveryOk);
-        self.envoy_down = found
+        let down: HashSet<String> = found
             .iter()
             .filter(|(_, ok)| !ok)
             .map(|(a, _)| a.clone())
             .collect();
+        let back: Vec<String> = self.envoy_down.difference(&down).cloned().collect();
+        self.envoy_down = down;
         let found: Vec<(String, bool)> = found
             .into_iter()
             .map(|(a, ok)| {
@@ -353,6 +452,11 @@ impl Root {
             (c, t.clone())
         });
         let Ok((changes, table)) = r else { return };
+        for address in &back {
+            if let Some(e) = table.get(address) {
+                self.endpoint_reset(h, address, e.slot);
+            }
+        }
         let Changes { removed, added } = changes;
         if removed.is_empty() && added.is_empty() {
             return;
@@ -471,6 +575,30 @@ fn estimate_gauges(est: &Estimate) -> [(&'static str, u64); 4] {
             (est.capacity_share * 100.0).round() as u64,
         ),
     ]
+}
+
+/// The generation of the configuration with this hash: the stored one when it is the newest,
+/// else the next (this configuration becomes the newest; then the flag is true). 0 when shared
+/// data fails.
+fn claim_generation<S: SharedStore + ?Sized>(s: &S, key: &str, hash: u64) -> (u64, bool) {
+    let claimed = update(s, key, |old| {
+        if old.len() >= 16 && read_u64(old, 0) == hash {
+            return None;
+        }
+        let generation = read_u64(old, 8).saturating_add(1);
+        let mut b = vec![0u8; 16];
+        write_u64(&mut b, 0, hash);
+        write_u64(&mut b, 8, generation);
+        Some((b, generation))
+    });
+    match claimed {
+        Ok(Some(g)) => (g, true),
+        Ok(None) => match s.get(key) {
+            Ok((Some(v), _)) => (read_u64(&v, 8), false),
+            _ => (0, false),
+        },
+        Err(_) => (0, false),
+    }
 }
 
 /// Envoy's view of one host (`health_status` in admin `/clusters?format=json`).

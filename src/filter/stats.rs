@@ -101,10 +101,12 @@ pub enum Counter {
     /// `cached_tokens` fell short of the predicted hit: the endpoint evicted more than the
     /// index assumed (its capacity share is lowered).
     CacheMisses,
+    /// Endpoints seen to restart cold (their index entries dropped).
+    EndpointResets,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 15] = [
+    pub const ALL: [Counter; 16] = [
         Counter::Routed,
         Counter::Released,
         Counter::FailedEarly,
@@ -120,6 +122,7 @@ impl Counter {
         Counter::ReleaseErrors,
         Counter::CacheHeld,
         Counter::CacheMisses,
+        Counter::EndpointResets,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -139,6 +142,7 @@ impl Counter {
             Counter::ReleaseErrors => "tokenaware_release_errors",
             Counter::CacheHeld => "tokenaware_cache_predictions_held",
             Counter::CacheMisses => "tokenaware_cache_predictions_missed",
+            Counter::EndpointResets => "tokenaware_endpoint_resets",
         }
     }
 

@@ -605,3 +605,242 @@ fn an_answer_from_a_fallback_undoes_the_pick() {
         .contains("reason=sticky"));
     assert_eq!(h.metric("tokenaware_served_by_fallback"), 1);
 }
+
+/// One poll round: every endpoint answers with `text(port)` (or fails when it is `None`).
+fn poll_round(h: &FakeHost, r: &mut Root, text: impl Fn(&str) -> Option<String>) {
+    h.now.set(h.now.get() + 1_000);
+    r.on_tick(h);
+    for c in h.take_dispatched() {
+        let dest = c.headers.iter().find(|(k, _)| k == DESTINATION).unwrap();
+        let port = dest.1.rsplit(':').next().unwrap().to_string();
+        match text(&port) {
+            Some(t) => {
+                h.set_call_answer(Some(200), t.as_bytes());
+                r.on_call_response(h, c.token, 2, t.len());
+            }
+            None => {
+                h.set_call_answer(None, b"");
+                r.on_call_response(h, c.token, 0, 0);
+            }
+        }
+    }
+}
+
+fn queries(n: u64) -> Option<String> {
+    Some(format!(
+        "vllm:prefix_cache_queries_total{{model_name=\"m\"}} {n}.0\n"
+    ))
+}
+
+/// The decision reason of a request for `body` (answered by the picked endpoint).
+fn reason_of(h: &FakeHost, vm: &Rc<Vm>, body: &[u8]) -> (String, String) {
+    let (mut f, _) = send(h, vm, CHAT, body);
+    let picked = h.header_values(DESTINATION)[0]
+        .split(',')
+        .next()
+        .unwrap()
+        .to_string();
+    respond(h, &mut f, b"{}");
+    let note = h.response_header_value(DECISION).unwrap();
+    let reason = note
+        .split("reason=")
+        .nth(1)
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap();
+    (picked, reason.to_string())
+}
+
+#[test]
+fn a_cold_restart_clears_the_endpoints_index() {
+    let h = FakeHost::new();
+    let mut r = root(&h, &format!("{METRICS},\"decisionHeader\":true"), 1);
+    let vm = r.vm();
+    let body = chat(&"restart me ".repeat(2_000), "q");
+    let (warm, reason) = reason_of(&h, &vm, &body);
+    assert_eq!(reason, "cold");
+    let warm_port = warm.rsplit(':').next().unwrap().to_string();
+    poll_round(&h, &mut r, |_| queries(5_000));
+    // Counters that grow: nothing happens.
+    poll_round(&h, &mut r, |_| queries(6_000));
+    assert_eq!(reason_of(&h, &vm, &body), (warm.clone(), "sticky".into()));
+    assert_eq!(h.metric("tokenaware_endpoint_resets"), 0);
+    // The warm endpoint's counter went back: it restarted between two polls.
+    poll_round(&h, &mut r, |p| {
+        queries(if p == warm_port { 12 } else { 7_000 })
+    });
+    assert_eq!(h.metric("tokenaware_endpoint_resets"), 1);
+    let (_, reason) = reason_of(&h, &vm, &body);
+    assert_eq!(
+        reason, "cold",
+        "the restarted endpoint still counted as warm"
+    );
+    assert_ledger_zero(&h, &vm);
+}
+
+#[test]
+fn an_endpoint_back_from_failed_polls_is_cold() {
+    let h = FakeHost::new();
+    let mut r = root(&h, &format!("{METRICS},\"decisionHeader\":true"), 1);
+    let vm = r.vm();
+    let body = chat(&"down and up ".repeat(2_000), "q");
+    let (warm, _) = reason_of(&h, &vm, &body);
+    let warm_port = warm.rsplit(':').next().unwrap().to_string();
+    let plain = || Some("vllm:num_requests_waiting 0\n".to_string());
+    poll_round(&h, &mut r, |_| plain());
+    // One failed poll is not enough to call it down; it comes back warm.
+    poll_round(&h, &mut r, |p| if p == warm_port { None } else { plain() });
+    poll_round(&h, &mut r, |_| plain());
+    assert_eq!(h.metric("tokenaware_endpoint_resets"), 0);
+    assert_eq!(reason_of(&h, &vm, &body), (warm.clone(), "sticky".into()));
+    // Out of rotation, then back: cold.
+    for _ in 0..2 {
+        poll_round(&h, &mut r, |p| if p == warm_port { None } else { plain() });
+    }
+    assert!(!vm.table(&h).get(&warm).unwrap().healthy);
+    poll_round(&h, &mut r, |_| plain());
+    assert!(vm.table(&h).get(&warm).unwrap().healthy);
+    assert_eq!(h.metric("tokenaware_endpoint_resets"), 1);
+    let (_, reason) = reason_of(&h, &vm, &body);
+    assert_eq!(reason, "cold");
+}
+
+/// Answers the pending discovery call with hosts `10.0.0.1:{ports}`, all healthy.
+fn discover(h: &FakeHost, r: &mut Root, ports: &[u16]) {
+    h.now.set(h.now.get() + 1_000);
+    r.on_tick(h);
+    let calls = h.take_dispatched();
+    let hosts: Vec<serde_json::Value> = ports
+        .iter()
+        .map(|p| serde_json::json!({"address":{"socket_address":{"address":"10.0.0.1","port_value":p}}}))
+        .collect();
+    let body = serde_json::json!({"cluster_statuses":[{"name":"models","host_statuses":hosts}]})
+        .to_string();
+    h.set_call_answer(Some(200), body.as_bytes());
+    r.on_call_response(h, calls[0].token, 4, body.len());
+}
+
+#[test]
+fn a_request_on_a_departed_endpoint_does_not_release_its_successor() {
+    let h = FakeHost::new();
+    let json = r#"{"discovery":{"adminCluster":"admin","modelCluster":"models","intervalMs":100}}"#;
+    let mut r = match Root::configure(&h, json.as_bytes(), 1) {
+        Ok(r) => r,
+        Err(e) => panic!("{e}"),
+    };
+    let vm = r.vm();
+    discover(&h, &mut r, &[80]);
+    let (mut old, _) = send(&h, &vm, CHAT, &chat("on the old endpoint", "q"));
+    assert!(h.header_values(DESTINATION)[0].starts_with("10.0.0.1:80"));
+    // 80 leaves while its request is in flight; 81 joins and takes its slot.
+    discover(&h, &mut r, &[81]);
+    let t = vm.table(&h);
+    assert_eq!(
+        (t.endpoints[0].address.as_str(), t.endpoints[0].slot),
+        ("10.0.0.1:81", 0)
+    );
+    let (mut new, _) = send(&h, &vm, CHAT, &chat("on the new endpoint", "q"));
+    assert!(h.header_values(DESTINATION)[0].starts_with("10.0.0.1:81"));
+    let load = |h: &FakeHost| vm.router.borrow().ledger.load(h, 0, h.now.get()).unwrap();
+    assert_eq!(load(&h).requests, 1);
+    // The old request ends: the new endpoint's request is still counted.
+    h.set_response_status(200);
+    old.on_response_headers(&h, false);
+    *h.response_body.borrow_mut() = b"{}".to_vec();
+    old.on_response_body(&h, 2, false);
+    old.on_log(&h);
+    assert_eq!(
+        load(&h).requests,
+        1,
+        "the old request released the new one's charge"
+    );
+    assert!(load(&h).tokens > 0);
+    respond(&h, &mut new, b"{}");
+    assert_eq!(load(&h), Load::default());
+    assert_eq!(h.metric("tokenaware_requests_released"), 2);
+    assert_eq!(h.metric("tokenaware_release_errors"), 0);
+}
+
+#[test]
+fn a_new_configuration_takes_the_poller_lease() {
+    let h = FakeHost::new();
+    let mut old = root(&h, METRICS, 1);
+    let mut old_peer = root(&h, METRICS, 2);
+    old.on_tick(&h);
+    old_peer.on_tick(&h);
+    assert_eq!(h.take_dispatched().len(), 3, "one poller");
+    // Same endpoints, a new τ: new roots while the old ones still tick.
+    let mut new = root(&h, &format!("{METRICS},\"tau\":1234"), 3);
+    for _ in 0..5 {
+        h.now.set(h.now.get() + 1_000);
+        old.on_tick(&h);
+        old_peer.on_tick(&h);
+        new.on_tick(&h);
+        for c in h.take_dispatched() {
+            h.set_call_answer(Some(200), b"vllm:num_requests_waiting 0\n");
+            new.on_call_response(&h, c.token, 2, 27);
+            old.on_call_response(&h, c.token, 2, 27);
+        }
+    }
+    let lease = |h: &FakeHost| {
+        let (v, _) = crate::store::SharedStore::get(h, "tokenaware/lease").unwrap();
+        super::root::Lease::decode(&v.unwrap()).unwrap().owner
+    };
+    assert_eq!(lease(&h), 3, "the old configuration kept polling");
+    // The old configuration again (a rollback) is newest once more.
+    let mut back = root(&h, METRICS, 4);
+    for _ in 0..5 {
+        h.now.set(h.now.get() + 1_000);
+        new.on_tick(&h);
+        back.on_tick(&h);
+        h.take_dispatched();
+    }
+    assert_eq!(lease(&h), 4);
+}
+
+#[test]
+fn a_new_static_list_replaces_the_stored_table_and_keeps_slots() {
+    let h = FakeHost::new();
+    let mut a = root(&h, &format!("{METRICS},\"decisionHeader\":true"), 1);
+    poll_round(&h, &mut a, |_| queries(1));
+    let vm_a = a.vm();
+    // Warm a prefix somewhere other than 8001.
+    let mut body = Vec::new();
+    let mut warm = String::new();
+    for g in 0..20 {
+        body = chat(&format!("keep me {g} ").repeat(500), "q");
+        warm = reason_of(&h, &vm_a, &body).0;
+        if !warm.ends_with("8001") {
+            break;
+        }
+    }
+    let slot = vm_a.table(&h).get(&warm).unwrap().slot;
+    let json = r#"{"endpoints":[{"address":"127.0.0.1:8002"},{"address":"127.0.0.1:8003"},{"address":"127.0.0.1:8004"}],"decisionHeader":true}"#;
+    let b = match Root::configure(&h, json.as_bytes(), 2) {
+        Ok(r) => r,
+        Err(e) => panic!("{e}"),
+    };
+    let vm_b = b.vm();
+    let t = vm_b.table(&h);
+    let seen: Vec<(&str, u16)> = t
+        .endpoints
+        .iter()
+        .map(|e| (e.address.as_str(), e.slot))
+        .collect();
+    assert_eq!(
+        seen,
+        vec![
+            ("127.0.0.1:8002", 1),
+            ("127.0.0.1:8003", 2),
+            ("127.0.0.1:8004", 0)
+        ]
+    );
+    assert_eq!(t.get(&warm).unwrap().slot, slot);
+    assert_eq!(reason_of(&h, &vm_b, &body), (warm, "sticky".into()));
+    for q in 0..6 {
+        let (mut f, _) = send(&h, &vm_b, CHAT, &chat(&format!("s{q}"), "q"));
+        assert!(!h.header_values(DESTINATION)[0].contains("8001"));
+        respond(&h, &mut f, b"{}");
+    }
+}

@@ -23,6 +23,8 @@ pub struct Keys {
     pub eps_version: String,
     /// The poller lease: owner id and expiry.
     pub lease: String,
+    /// The newest plugin configuration: its hash and generation (see `root`).
+    pub config: String,
 }
 
 impl Keys {
@@ -31,6 +33,7 @@ impl Keys {
             eps: format!("{namespace}/eps"),
             eps_version: format!("{namespace}/epsv"),
             lease: format!("{namespace}/lease"),
+            config: format!("{namespace}/config"),
         }
     }
 }

@@ -96,6 +96,8 @@ impl Context for HttpCtx {}
 
 impl HttpContext for HttpCtx {
     fn on_http_request_headers(&mut self, _: usize, eos: bool) -> Action {
+        #[cfg(feature = "fault-injection")]
+        fault_injection();
         action(self.0.on_request_headers(&WasmHost, eos))
     }
 
@@ -117,5 +119,21 @@ impl HttpContext for HttpCtx {
 
     fn on_log(&mut self) {
         self.0.on_log(&WasmHost);
+    }
+}
+
+/// `fault-injection` builds only: `x-tokenaware-fault: trap` on a request traps the VM.
+#[cfg(feature = "fault-injection")]
+fn fault_injection() {
+    use proxy_wasm::types::MapType;
+    let v = hostcalls::get_map_value(MapType::HttpRequestHeaders, "x-tokenaware-fault");
+    if matches!(v, Ok(Some(v)) if v == "trap") {
+        #[expect(
+            clippy::panic,
+            reason = "test-only trap trigger, compiled out by default"
+        )]
+        {
+            panic!("fault injection: trap requested");
+        }
     }
 }

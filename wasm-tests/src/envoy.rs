@@ -116,6 +116,21 @@ pub struct GatewayConfig {
     pub component_log_level: Option<String>,
     /// The cluster's fallback balancer (round robin in the template).
     pub lb: FallbackLb,
+    /// The wasm filter's `failure_policy` (`FAIL_OPEN` in the template; `FAIL_CLOSED`,
+    /// `FAIL_RELOAD`).
+    pub failure_policy: String,
+    /// Port the `admin` cluster points at instead of the admin port (e.g. a dead one).
+    pub admin_cluster_port: Option<u16>,
+    /// Serve the listener from a watched LDS file instead of static resources, so
+    /// [`Envoy::set_plugin_config`] can reconfigure the filter at runtime.
+    pub dynamic_listener: bool,
+    /// Serve the `models` cluster's endpoints from a watched EDS file, so
+    /// [`Envoy::set_endpoints`] can change them at runtime.
+    pub dynamic_endpoints: bool,
+    /// Keep the template's `header_mutation` filter that removes client-sent destination
+    /// headers before the wasm filter (render.sh keeps it; off here by default so tests see
+    /// the filter's own stripping).
+    pub strip_client_destination: bool,
 }
 
 impl GatewayConfig {
@@ -129,6 +144,11 @@ impl GatewayConfig {
             log_level: "info".into(),
             component_log_level: None,
             lb: FallbackLb::RoundRobin,
+            failure_policy: "FAIL_OPEN".into(),
+            admin_cluster_port: None,
+            dynamic_listener: false,
+            dynamic_endpoints: false,
+            strip_client_destination: false,
         }
     }
 
@@ -170,8 +190,12 @@ impl GatewayConfig {
                 skipping = self.wasm.is_none();
                 continue;
             }
-            if t == "#@wasm-end" {
+            if t == "#@wasm-end" || t == "#@strip-end" {
                 skipping = false;
+                continue;
+            }
+            if t == "#@strip-begin" {
+                skipping = !self.strip_client_destination;
                 continue;
             }
             if !skipping {
@@ -188,6 +212,19 @@ impl GatewayConfig {
             None => (String::new(), String::new()),
         };
         let out = apply_lb(out, self.lb)?;
+        let out = apply_failure_policy(out, &self.failure_policy)?;
+        let out = match self.admin_cluster_port {
+            Some(p) => {
+                let (head, cluster) = out
+                    .split_once("  - name: admin\n")
+                    .context("template: no admin cluster")?;
+                format!(
+                    "{head}  - name: admin\n{}",
+                    cluster.replace("${ADMIN_PORT}", &p.to_string())
+                )
+            }
+            None => out,
+        };
         Ok(out
             .replace("${LISTEN_PORT}", &self.listen_port.to_string())
             .replace("${ADMIN_PORT}", &self.admin_port.to_string())
@@ -234,6 +271,107 @@ fn apply_lb(yaml: String, lb: FallbackLb) -> anyhow::Result<String> {
     Ok(out)
 }
 
+fn apply_failure_policy(yaml: String, policy: &str) -> anyhow::Result<String> {
+    const LINE: &str = "failure_policy: FAIL_OPEN";
+    anyhow::ensure!(
+        policy.chars().all(|c| c.is_ascii_uppercase() || c == '_'),
+        "failure policy {policy:?}"
+    );
+    if yaml.matches(LINE).count() == 0 {
+        return Ok(yaml); // plain Envoy: no filter
+    }
+    anyhow::ensure!(yaml.matches(LINE).count() == 1, "template: one {LINE}");
+    Ok(yaml.replace(LINE, &format!("failure_policy: {policy}")))
+}
+
+/// The `lb_endpoints` entries of `endpoints` at `indent` spaces.
+fn lb_endpoints(endpoints: &[String], indent: usize) -> anyhow::Result<String> {
+    let mut out = String::new();
+    for ep in endpoints {
+        let (ip, port) = ep
+            .rsplit_once(':')
+            .with_context(|| format!("endpoint {ep:?} is not ip:port"))?;
+        let port: u16 = port.parse().with_context(|| format!("port in {ep:?}"))?;
+        out.push_str(&format!(
+            "{:indent$}- endpoint: {{ address: {{ socket_address: {{ address: {ip}, port_value: {port} }} }} }}\n",
+            ""
+        ));
+    }
+    Ok(out)
+}
+
+/// An EDS file (`ClusterLoadAssignment` for `models`).
+fn eds_file(endpoints: &[String]) -> anyhow::Result<String> {
+    Ok(format!(
+        "resources:\n- \"@type\": type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment\n  cluster_name: models\n  endpoints:\n  - lb_endpoints:\n{}",
+        lb_endpoints(endpoints, 4)?
+    ))
+}
+
+/// Splits a rendered bootstrap into one whose listener comes from `dir/lds.yaml` and that
+/// file's text.
+fn split_listener(yaml: &str, dir: &Path) -> anyhow::Result<(String, String)> {
+    let (head, rest) = yaml
+        .split_once("  listeners:\n")
+        .context("template: no listeners")?;
+    let (listener, clusters) = rest
+        .split_once("  clusters:\n")
+        .context("template: no clusters")?;
+    let mut lds = String::from("resources:\n");
+    for (i, line) in listener.lines().enumerate() {
+        let line = line.strip_prefix("  ").unwrap_or(line);
+        if i == 0 {
+            let name = line.strip_prefix("- ").context("listener list item")?;
+            lds.push_str("- \"@type\": type.googleapis.com/envoy.config.listener.v3.Listener\n");
+            lds.push_str(&format!("  {name}\n"));
+        } else {
+            lds.push_str(line);
+            lds.push('\n');
+        }
+    }
+    let d = dir.display();
+    let boot = format!(
+        "{head}  clusters:\n{clusters}dynamic_resources:\n  lds_config:\n    path_config_source:\n      path: {d}/lds.yaml\n      watched_directory: {{ path: {d} }}\n"
+    );
+    Ok((boot, lds))
+}
+
+/// Makes the `models` cluster read its endpoints from `dir/eds.yaml`.
+fn models_from_eds(yaml: &str, dir: &Path) -> anyhow::Result<String> {
+    let (head, rest) = yaml
+        .split_once("  - name: models\n")
+        .context("template: no models cluster")?;
+    let (models, tail) = rest
+        .split_once("  - name: admin\n")
+        .context("template: no admin cluster")?;
+    let (before, _) = models
+        .split_once("    load_assignment:\n")
+        .context("template: no load_assignment")?;
+    anyhow::ensure!(
+        before.contains("    type: STATIC\n"),
+        "template: models not STATIC"
+    );
+    let d = dir.display();
+    let before = before.replace(
+        "    type: STATIC\n",
+        &format!(
+            "    type: EDS\n    eds_cluster_config:\n      service_name: models\n      eds_config:\n        path_config_source:\n          path: {d}/eds.yaml\n          watched_directory: {{ path: {d} }}\n"
+        ),
+    );
+    Ok(format!(
+        "{head}  - name: models\n{before}  - name: admin\n{tail}"
+    ))
+}
+
+/// Writes `name` in `dir` atomically (write aside, then move in: what a watched directory
+/// reacts to).
+fn move_into(dir: &Path, name: &str, text: &str) -> anyhow::Result<()> {
+    let tmp = dir.join(format!(".{name}.{}", SEQ.fetch_add(1, Ordering::Relaxed)));
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, dir.join(name))?;
+    Ok(())
+}
+
 static SEQ: AtomicU32 = AtomicU32::new(0);
 
 /// A running Envoy (child process), killed on drop. Its config, stdout (access log) and
@@ -259,7 +397,7 @@ impl Envoy {
                 config.admin_port = ports[1];
             }
         }
-        let yaml = config.render()?;
+        let mut yaml = config.render()?;
         let bin = envoy_binary()?;
         let dir = std::env::temp_dir().join(format!(
             "tokenaware-envoy-{}-{}",
@@ -267,6 +405,23 @@ impl Envoy {
             SEQ.fetch_add(1, Ordering::Relaxed)
         ));
         std::fs::create_dir_all(&dir)?;
+        let xds = dir.join("xds");
+        if config.dynamic_endpoints {
+            std::fs::create_dir_all(&xds)?;
+            yaml = models_from_eds(&yaml, &xds)?;
+            move_into(&xds, "eds.yaml", &eds_file(&config.endpoints)?)?;
+        }
+        if config.dynamic_listener {
+            std::fs::create_dir_all(&xds)?;
+            let (boot, lds) = split_listener(&yaml, &xds)?;
+            yaml = boot;
+            move_into(&xds, "lds.yaml", &lds)?;
+        }
+        if config.dynamic_endpoints || config.dynamic_listener {
+            // File-based xDS needs a node identity.
+            yaml =
+                format!("node: {{ id: tokenaware-gateway, cluster: tokenaware-gateway }}\n{yaml}");
+        }
         let cfg_path = dir.join("envoy.yaml");
         std::fs::write(&cfg_path, yaml)?;
         let stdout = std::fs::File::create(dir.join("access.log"))?;
@@ -376,6 +531,60 @@ impl Envoy {
         }))
     }
 
+    /// Replaces the filter's plugin configuration at runtime (needs `dynamic_listener`):
+    /// writes a new LDS file and waits (bounded) until Envoy accepted or rejected it.
+    /// Returns whether it was accepted.
+    pub fn set_plugin_config(&mut self, configuration: &str) -> anyhow::Result<bool> {
+        anyhow::ensure!(self.config.dynamic_listener, "needs dynamic_listener");
+        let wasm = self.config.wasm.as_mut().context("no wasm filter")?;
+        wasm.configuration = configuration.to_string();
+        let xds = self.dir.join("xds");
+        let yaml = self.config.render()?;
+        let yaml = if self.config.dynamic_endpoints {
+            models_from_eds(&yaml, &xds)?
+        } else {
+            yaml
+        };
+        let (_, lds) = split_listener(&yaml, &xds)?;
+        let stat = |n: &str| {
+            self.stat(&format!("listener_manager.lds.{n}"))
+                .ok()
+                .flatten()
+                .unwrap_or(0)
+        };
+        let (ok0, bad0) = (stat("update_success"), stat("update_rejected"));
+        move_into(&xds, "lds.yaml", &lds)?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if stat("update_rejected") > bad0 {
+                return Ok(false);
+            }
+            if stat("update_success") > ok0 {
+                return Ok(true);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        bail!("envoy neither accepted nor rejected the listener update in 20 s")
+    }
+
+    /// Replaces the `models` cluster's endpoints at runtime (needs `dynamic_endpoints`) and
+    /// waits (bounded) until Envoy applied the update.
+    pub fn set_endpoints(&mut self, endpoints: &[String]) -> anyhow::Result<()> {
+        anyhow::ensure!(self.config.dynamic_endpoints, "needs dynamic_endpoints");
+        let name = "cluster.models.update_success";
+        let before = self.stat(name)?.unwrap_or(0);
+        move_into(&self.dir.join("xds"), "eds.yaml", &eds_file(endpoints)?)?;
+        self.config.endpoints = endpoints.to_vec();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if self.stat(name)?.unwrap_or(0) > before {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        bail!("envoy did not apply the EDS update in 20 s")
+    }
+
     /// Directory with `envoy.yaml`, `envoy.log`, `access.log`.
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -471,10 +680,18 @@ mod tests {
             .all(|l| !l.contains("${")));
         assert!(plain.contains("port_value: 8001"));
         let wasm = std::env::current_exe().unwrap(); // any existing file will do for rendering
+        let base = c.clone();
         let w = c.with_wasm(&wasm, r#"{"a":"it's"}"#).render().unwrap();
         assert!(w.contains("envoy.filters.http.wasm"));
         assert!(w.contains(r#"value: '{"a":"it''s"}'"#));
         assert!(w.contains("allow_on_headers_stop_iteration: true"));
+        assert!(!w.contains("header_mutation") && !w.contains("#@"));
+        let mut strip = base.with_wasm(&wasm, "{}");
+        strip.strip_client_destination = true;
+        assert!(strip
+            .render()
+            .unwrap()
+            .contains("- remove: x-gateway-destination-endpoint\n"));
     }
 
     #[test]

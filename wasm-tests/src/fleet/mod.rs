@@ -17,11 +17,18 @@
 //!
 //! Each endpoint serves `POST /v1/completions`, `POST /v1/chat/completions` (stream or not;
 //! `usage` with `prompt_tokens_details.cached_tokens` in the final JSON / last chunk),
-//! `GET /metrics`, `GET /health`, `GET /v1/models`, and the test control
-//! `POST /fleet/metrics-override` (body replaces `/metrics` output; empty body clears).
+//! `GET /metrics`, `GET /health`, `GET /v1/models`, and the test controls
+//! `POST /fleet/metrics-override` (body replaces `/metrics` output; empty body clears),
+//! `POST /fleet/metrics-fault` (`garbage`, `500`, `slow` (answers after 10 s) or empty: how
+//! `/metrics` misbehaves) and `GET /fleet/counters` (requests seen per kind, JSON).
 //! Every response carries `x-fleet-endpoint: 127.0.0.1:PORT`.
+//!
+//! A [`Fleet`] can also [`kill`](Fleet::kill) an endpoint (listener and open connections
+//! dropped at once, like a crash) and [`restart`](Fleet::restart) it cold (empty cache,
+//! counters from zero).
 
 pub mod cache;
+mod control;
 pub mod openai;
 pub mod sched;
 mod server;
@@ -36,6 +43,7 @@ use std::time::Duration;
 use anyhow::Context;
 use tokio::sync::watch;
 
+pub use server::{MetricsFault, SLOW_METRICS};
 pub use timing::Timing;
 
 /// The model name the endpoints advertise.
@@ -139,6 +147,7 @@ pub async fn serve(
 pub struct Fleet {
     base_port: u16,
     ports: Vec<u16>,
+    commands: tokio::sync::mpsc::UnboundedSender<control::Command>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -177,15 +186,12 @@ impl Fleet {
             .thread_name("fleet")
             .build()?;
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let (commands, command_rx) = tokio::sync::mpsc::unbounded_channel();
         let thread = std::thread::Builder::new()
             .name("fleet".into())
             .spawn(move || {
-                let shutdown = async {
-                    let _ = rx.await;
-                };
-                if let Err(e) =
-                    rt.block_on(serve(cfg, listeners, shutdown, Duration::from_millis(500)))
-                {
+                let grace = Duration::from_millis(500);
+                if let Err(e) = rt.block_on(control::run(cfg, listeners, command_rx, rx, grace)) {
                     eprintln!("fleet: {e:#}");
                 }
                 rt.shutdown_timeout(Duration::from_secs(1));
@@ -193,9 +199,40 @@ impl Fleet {
         Ok(Fleet {
             base_port,
             ports,
+            commands,
             stop: Some(tx),
             thread: Some(thread),
         })
+    }
+
+    fn command(&self, c: impl FnOnce(control::Reply) -> control::Command) -> anyhow::Result<()> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.commands
+            .send(c(tx))
+            .map_err(|_| anyhow::anyhow!("fleet stopped"))?;
+        rx.recv_timeout(Duration::from_secs(10))
+            .map_err(|_| anyhow::anyhow!("fleet did not answer"))?
+    }
+
+    fn port_of(&self, i: usize) -> anyhow::Result<u16> {
+        self.ports
+            .get(i)
+            .copied()
+            .with_context(|| format!("no endpoint {i}"))
+    }
+
+    /// Kills endpoint `i` (0-based) at once: its port stops listening and its open
+    /// connections, with any request in flight, are dropped. Blocks until done.
+    pub fn kill(&self, i: usize) -> anyhow::Result<()> {
+        let port = self.port_of(i)?;
+        self.command(|r| control::Command::Kill(port, r))
+    }
+
+    /// Starts endpoint `i` again, cold: an empty prefix cache, metrics counters from zero.
+    /// Also starts an endpoint configured dead. Blocks until it listens.
+    pub fn restart(&self, i: usize) -> anyhow::Result<()> {
+        let port = self.port_of(i)?;
+        self.command(|r| control::Command::Restart(port, r))
     }
 
     pub fn base_port(&self) -> u16 {

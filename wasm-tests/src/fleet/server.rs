@@ -39,7 +39,40 @@ pub(crate) struct Endpoint {
     pub(crate) requests: AtomicU64,
     next_id: AtomicU64,
     metrics_override: Mutex<Option<String>>,
+    metrics_fault: Mutex<MetricsFault>,
+    /// `GET /metrics` requests seen (polls).
+    metrics_requests: AtomicU64,
+    /// Inference requests seen (`POST /v1/...`, parsed or not).
+    inference_requests: AtomicU64,
 }
+
+/// How `/metrics` misbehaves (`POST /fleet/metrics-fault`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MetricsFault {
+    #[default]
+    None,
+    /// 200 with bytes that are not Prometheus text (binary, invalid UTF-8, huge numbers).
+    Garbage,
+    /// 500 Internal Server Error.
+    Error500,
+    /// The normal answer, after 10 s (real time, not scaled).
+    Slow,
+}
+
+impl MetricsFault {
+    pub fn parse(s: &str) -> Option<MetricsFault> {
+        Some(match s.trim() {
+            "" | "none" => MetricsFault::None,
+            "garbage" => MetricsFault::Garbage,
+            "500" => MetricsFault::Error500,
+            "slow" => MetricsFault::Slow,
+            _ => return None,
+        })
+    }
+}
+
+/// How long a [`MetricsFault::Slow`] `/metrics` takes.
+pub const SLOW_METRICS: std::time::Duration = std::time::Duration::from_secs(10);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -65,6 +98,9 @@ impl Endpoint {
             requests: AtomicU64::new(0),
             next_id: AtomicU64::new(0),
             metrics_override: Mutex::new(None),
+            metrics_fault: Mutex::new(MetricsFault::None),
+            metrics_requests: AtomicU64::new(0),
+            inference_requests: AtomicU64::new(0),
         })
     }
 
@@ -76,6 +112,8 @@ impl Endpoint {
             .route("/health", get(|| async { StatusCode::OK }))
             .route("/v1/models", get(models))
             .route("/fleet/metrics-override", post(metrics_override))
+            .route("/fleet/metrics-fault", post(metrics_fault))
+            .route("/fleet/counters", get(counters))
             .fallback(|| async { (StatusCode::NOT_FOUND, "not found\n") })
             .layer(middleware::from_fn_with_state(self.clone(), tag_endpoint))
             .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -216,6 +254,7 @@ fn unix_now() -> u64 {
 }
 
 async fn generate(ep: Arc<Endpoint>, api: Api, body: Bytes) -> Response {
+    ep.inference_requests.fetch_add(1, Ordering::Relaxed);
     let p = match openai::parse(api, &body, MODEL) {
         Ok(p) => p,
         Err(e) => {
@@ -288,6 +327,22 @@ async fn generate(ep: Arc<Endpoint>, api: Api, body: Bytes) -> Response {
 }
 
 async fn metrics(State(ep): State<Arc<Endpoint>>) -> Response {
+    ep.metrics_requests.fetch_add(1, Ordering::Relaxed);
+    let fault = *lock(&ep.metrics_fault);
+    match fault {
+        MetricsFault::None => {}
+        MetricsFault::Error500 => {
+            return (StatusCode::INTERNAL_SERVER_ERROR, "metrics broken\n").into_response()
+        }
+        MetricsFault::Garbage => {
+            let mut junk =
+                b"\xff\xfe\x00garbage{{{ vllm:num_requests_waiting{model_name=\"".to_vec();
+            junk.extend_from_slice(b"\nvllm:num_requests_running 1e999999\n\x00\x01\x02 ]]]\n");
+            junk.extend(std::iter::repeat_n(b'}', 4096));
+            return (StatusCode::OK, junk).into_response();
+        }
+        MetricsFault::Slow => tokio::time::sleep(SLOW_METRICS).await,
+    }
     (
         [(
             header::CONTENT_TYPE,
@@ -310,4 +365,21 @@ async fn metrics_override(State(ep): State<Arc<Endpoint>>, body: Bytes) -> Statu
     let text = String::from_utf8_lossy(&body).into_owned();
     *lock(&ep.metrics_override) = (!text.is_empty()).then_some(text);
     StatusCode::NO_CONTENT
+}
+
+async fn metrics_fault(State(ep): State<Arc<Endpoint>>, body: Bytes) -> StatusCode {
+    match MetricsFault::parse(&String::from_utf8_lossy(&body)) {
+        Some(f) => {
+            *lock(&ep.metrics_fault) = f;
+            StatusCode::NO_CONTENT
+        }
+        None => StatusCode::BAD_REQUEST,
+    }
+}
+
+async fn counters(State(ep): State<Arc<Endpoint>>) -> Json<serde_json::Value> {
+    Json(json!({
+        "metricsRequests": ep.metrics_requests.load(Ordering::Relaxed),
+        "inferenceRequests": ep.inference_requests.load(Ordering::Relaxed),
+    }))
 }
