@@ -86,8 +86,7 @@ struct Record {
     /// decayed per sample: their ratio is the prefill rate.
     tokens: f64,
     busy_s: f64,
-    /// The same sums over every sample, outliers included: the yardstick outliers are
-    /// judged by (it follows the data from any prior, where the prior would not).
+    /// The same sums over every sample, outliers included (shown for diagnosis).
     all_tokens: f64,
     all_busy_s: f64,
     /// End of the busy time counted so far, ms.
@@ -211,11 +210,15 @@ impl Record {
         let tokens = sample.uncached as f64;
         self.all_tokens = self.all_tokens * RATE_DECAY + tokens;
         self.all_busy_s = (self.all_busy_s * RATE_DECAY + busy).max(1e-6);
-        // An outlier: a sample far slower than all samples say (a stall, a retry, or a hit
-        // the server missed, so it prefilled far more than the index predicted). Samples
-        // finishing in the same instant as another (busy 0) are ordinary in a batch.
-        let yardstick = self.all_tokens / self.all_busy_s;
-        let outlier = busy > 0.0
+        // An outlier: a sample far slower than the rate so far (a stall, a retry, or a hit
+        // the server missed, so it prefilled far more than the index predicted), or far
+        // faster (a predicted miss the server had cached). Samples finishing in the same
+        // instant as another (busy 0) are ordinary in a batch. The first samples are all
+        // taken: they replace the prior, which may be far off.
+        let yardstick = self.rate();
+        let judged = self.total >= MIN_OBSERVATIONS;
+        let outlier = judged
+            && busy > 0.0
             && (tokens / busy < yardstick / OUTLIER_FACTOR
                 || tokens / busy > yardstick * FAST_OUTLIER_FACTOR);
         if !outlier {
