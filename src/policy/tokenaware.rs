@@ -58,10 +58,18 @@ impl Tokenaware {
     /// Cold placement trades cache room against queue: each prefix an endpoint already
     /// holds counts as one prefill of this request, since placing one more there evicts one.
     fn cold(&self, ask: &Ask, fleet: &[Candidate]) -> Option<usize> {
+        // Recent work is real tokens: on a slower endpoint it is more time (`speed` is 1
+        // unless rates are learned). Held prefixes are cache room, the same on every
+        // endpoint whatever its speed.
         let key = |i: usize| {
-            ask.cost(&fleet[i])
-                + u64::from(fleet[i].heads) * ask.tokens
-                + fleet[i].work_per_s * WORK_HORIZON_S
+            let c = &fleet[i];
+            let speed = if c.speed > 0.0 && c.speed.is_finite() {
+                c.speed
+            } else {
+                1.0
+            };
+            let work = (c.work_per_s as f64 * WORK_HORIZON_S as f64 / speed) as u64;
+            ask.cost(c) + u64::from(c.heads) * ask.tokens + work
         };
         let min = (0..fleet.len()).map(key).min().unwrap_or(0);
         let slack = (ask.tokens as f64 * COLD_BAND) as u64;
