@@ -42,6 +42,16 @@ const TARGETS: [&str; 6] = [
     "tokenaware-decode",
 ];
 
+/// Opt-in tokenaware configurations for the learning claims (`--targets`): R_peak learned
+/// from a start 4× too high or too low, the same wrong R_peak fixed, and the latency
+/// configuration (learned predictor, latency scorer, weighted-random picker).
+const LEARNING_TARGETS: [&str; 4] = [
+    "tokenaware-auto-high",
+    "tokenaware-auto-low",
+    "tokenaware-fixed-high",
+    "tokenaware-latency",
+];
+
 /// Unscaled fleet timing: R_peak (tokens/s) and decode time per output token (ms).
 const R_PEAK: f64 = 20_480.0;
 const DECODE_MS: f64 = 5.0;
@@ -191,6 +201,67 @@ fn tokenaware_config(eps: &[String], p: &Profile, decode: bool) -> String {
     v.to_string()
 }
 
+/// The learning targets' plugin configurations. Learned rates and T_max are in real time:
+/// the fleet's real R_peak is the model one over the time factor, and T_max is the default
+/// 18 s (5 s for the latency configuration, as llm-d's) of model time.
+fn learning_config(target: &str, eps: &[String], p: &Profile) -> String {
+    let mut v: serde_json::Value =
+        serde_json::from_str(&tokenaware_config(eps, p, false)).unwrap_or_default();
+    let real = R_PEAK * p.scale / p.time_factor;
+    let t_max = |ms: f64| json!(ms * p.time_factor);
+    match target {
+        "tokenaware-auto-high" => {
+            v["peakPrefillThroughput"] = json!({"auto": 4.0 * real});
+            v["maxTTFTPenaltyMs"] = t_max(18_000.0);
+        }
+        "tokenaware-auto-low" => {
+            v["peakPrefillThroughput"] = json!({"auto": real / 4.0});
+            v["maxTTFTPenaltyMs"] = t_max(18_000.0);
+        }
+        "tokenaware-fixed-high" => {
+            v["peakPrefillThroughput"] = json!(4.0 * real);
+            v["maxTTFTPenaltyMs"] = t_max(18_000.0);
+        }
+        _ => {
+            v["peakPrefillThroughput"] = json!({"auto": real});
+            v["maxTTFTPenaltyMs"] = t_max(5_000.0);
+            v["ttftSource"] = json!("latencyPredictor");
+            v["scorer"] = json!("latency");
+            v["picker"] = json!("weighted-random");
+        }
+    }
+    v.to_string()
+}
+
+/// The learned prefill rates (gauges) over the fleet's real R_peak, after a run.
+fn report_learned(gw: &Gateway, p: &Profile, endpoints: usize, target: &str) {
+    let Gateway::Envoy(e) = gw else { return };
+    let real = R_PEAK * p.scale / p.time_factor;
+    let learned: Vec<String> = (0..endpoints)
+        .filter_map(|slot| {
+            let name = format!("wasmcustom.tokenaware_endpoint_{slot}_prefill_tokens_per_s");
+            let rate = e.stat(&name).ok().flatten()?;
+            let samples = e
+                .stat(&format!(
+                    "wasmcustom.tokenaware_endpoint_{slot}_ttft_samples"
+                ))
+                .ok()
+                .flatten()
+                .unwrap_or(0);
+            Some(format!(
+                "{:+.1}% ({samples} samples)",
+                (rate as f64 / real - 1.0) * 100.0
+            ))
+        })
+        .collect();
+    if !learned.is_empty() {
+        eprintln!(
+            "{target}: learned R_peak vs the fleet's {real:.0} tok/s: {}",
+            learned.join(", ")
+        );
+    }
+}
+
 /// A running target, stopped on drop.
 enum Gateway {
     Envoy(Envoy),
@@ -305,6 +376,10 @@ fn start_target(name: &str, eps: &[String], p: &Profile) -> anyhow::Result<Gatew
             envoy(gw.with_wasm(wasm, cfg))
         }
         "smg-cache-aware" => start_smg(eps).map(Gateway::Smg),
+        t if LEARNING_TARGETS.contains(&t) => {
+            anyhow::ensure!(wasm.is_file(), "{} missing", wasm.display());
+            envoy(gw.with_wasm(wasm, learning_config(t, eps, p)))
+        }
         other => anyhow::bail!("unknown target {other}"),
     }
 }
@@ -388,6 +463,7 @@ async fn run_one(
         |s| far_past(s, slo),
     )
     .await;
+    report_learned(&gw, p, eps.len(), target);
     drop(gw);
     drop(fleet);
     let _ = eps;
@@ -422,8 +498,8 @@ async fn main() -> anyhow::Result<()> {
     } else {
         for t in &a.targets {
             anyhow::ensure!(
-                TARGETS.contains(&t.as_str()),
-                "unknown target {t:?} ({TARGETS:?})"
+                TARGETS.contains(&t.as_str()) || LEARNING_TARGETS.contains(&t.as_str()),
+                "unknown target {t:?} ({TARGETS:?}, {LEARNING_TARGETS:?})"
             );
         }
         a.targets.clone()
