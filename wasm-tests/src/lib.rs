@@ -16,5 +16,6 @@
 pub mod envoy;
 pub mod fleet;
 pub mod host;
+pub mod instant;
 pub mod loadgen;
 pub mod ports;
