@@ -19,3 +19,4 @@ pub mod host;
 pub mod instant;
 pub mod loadgen;
 pub mod ports;
+pub mod replicas;
