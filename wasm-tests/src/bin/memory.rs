@@ -4,7 +4,8 @@
 //! blocks (31,250 index blocks; 3,125,000 in all). The tool
 //!
 //! 1. reads Envoy's memory (VmRSS from `/proc/PID/status`; `server.memory_allocated` and
-//!    `server.memory_heap_size` from admin `/stats`) after a few warm-up requests;
+//!    `server.memory_heap_size` from admin `/stats`) after a few warm-up requests, and the
+//!    same of a plain Envoy (no filter) with the same endpoints, for the filter's baseline;
 //! 2. fills the index: distinct completions prompts of 2,048 blocks (the most the filter
 //!    hashes), `--fill` times the fleet's total capacity in blocks, and reads memory again;
 //!    the access log tells how many of them each endpoint got (at least its capacity);
@@ -135,7 +136,10 @@ async fn main() -> anyhow::Result<()> {
     })
     .to_string();
     let cfg = GatewayConfig::new(eps.clone()).with_wasm(&wasm, plugin);
-    let envoy = tokio::task::spawn_blocking(move || Envoy::start(cfg)).await??;
+    let plain = GatewayConfig::new(eps.clone());
+    let (envoy, plain) =
+        tokio::task::spawn_blocking(move || anyhow::Ok((Envoy::start(cfg)?, Envoy::start(plain)?)))
+            .await??;
     let per_ep = args.kv_capacity_tokens / BLOCK_TOKENS;
     let total_blocks = per_ep * args.endpoints as u64;
     println!(
@@ -152,13 +156,17 @@ async fn main() -> anyhow::Result<()> {
         .into();
     let prompt_bytes = MAX_BLOCKS * BLOCK_BYTES + 64;
 
+    let plain_url = plain.url("/v1/completions");
     for i in 0..20 {
         post(&client, &url, format!("warm-up {i}")).await;
+        post(&client, &plain_url, format!("warm-up {i}")).await;
     }
     // Envoy refreshes its server.memory_* gauges on the stats flush (every 5 s).
     tokio::time::sleep(FLUSH).await;
+    show("plain Envoy, same endpoints", sample(&plain)?);
+    drop(plain);
     let before = sample(&envoy)?;
-    show("after start (warm-up)", before);
+    show("filter, after start", before);
 
     // Fill: distinct prompts of MAX_BLOCKS blocks each, `concurrency` in flight.
     let n = ((total_blocks as f64 * args.fill) / MAX_BLOCKS as f64).ceil() as u64;

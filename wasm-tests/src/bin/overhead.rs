@@ -303,6 +303,17 @@ async fn main() -> anyhow::Result<()> {
             col(&|r| r.filter_tput.cpu_us_per_req),
         );
     }
+    for (name, e) in [("plain", &plain), ("filter", &filtered)] {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", e.pid()))?;
+        let rss = status
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .unwrap_or("");
+        println!(
+            "{name} Envoy after the runs: {}",
+            rss.split_whitespace().collect::<Vec<_>>().join(" ")
+        );
+    }
     let routed = filtered
         .stat("wasmcustom.tokenaware_requests_routed")?
         .unwrap_or(0);
