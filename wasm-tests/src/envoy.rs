@@ -495,6 +495,11 @@ impl Envoy {
         )
     }
 
+    /// The Envoy process id (for CPU and memory readings from /proc).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn listen_port(&self) -> u16 {
         self.config.listen_port
     }

@@ -17,7 +17,9 @@
 pub mod envoy;
 pub mod fleet;
 pub mod host;
+pub mod instant;
 pub mod loadgen;
 pub mod oci;
 pub mod plot;
 pub mod ports;
+pub mod replicas;

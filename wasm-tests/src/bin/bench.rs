@@ -15,6 +15,9 @@
 //! input tokens/s and hit rate against the rate; `--docs-plots` also writes `docs/plots/`).
 //! `--plot-only [--results FILE]...` redraws the plots from existing results without running.
 //!
+//! `--gateways 1,2` runs each target once per count; with N > 1 there are N gateway
+//! processes in front of the one fleet and the arrivals are dealt round-robin over them.
+//!
 //! Fidelity knobs, the same for every target: `--scale` multiplies every token count of the
 //! workload *and* the fleet's R_peak and KV capacity (and divides its per-token decode time),
 //! so prefill and decode take the same model time as unscaled; the time factor runs model
@@ -82,6 +85,11 @@ struct Args {
     time_factor: Option<f64>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Gateway replicas per target (comma-separated counts, each a separate run): N > 1
+    /// starts N gateways in front of the one fleet and deals the arrivals round-robin over
+    /// them (`wasm_tests::replicas`); rows are labelled `TARGET xN`.
+    #[arg(long, value_delimiter = ',', default_values_t = [1])]
+    gateways: Vec<usize>,
     /// Output directory.
     #[arg(long, default_value = "target/bench")]
     out_dir: PathBuf,
@@ -435,36 +443,44 @@ async fn run_one(
     p: &Profile,
     target: &str,
     seed: u64,
+    gateways: usize,
 ) -> anyhow::Result<Vec<Stage>> {
     let fleet = Fleet::start_on_free_ports(fleet_config(kind, p))?;
     let eps = fleet.endpoints();
-    let gw = {
+    let mut gws = Vec::new();
+    for _ in 0..gateways.max(1) {
         let (eps, p, t) = (eps.clone(), p.clone(), target.to_string());
-        tokio::task::spawn_blocking(move || start_target(&t, &eps, &p)).await??
-    };
-    let t = Target {
-        url: gw.url(),
-        model: MODEL.into(),
-        prefix_group_header: target == "envoy-ring-hash",
-        timeout: Duration::from_secs_f64((8.0 * p.slo_s + 120.0) * p.time_factor + 10.0),
-    };
+        gws.push(tokio::task::spawn_blocking(move || start_target(&t, &eps, &p)).await??);
+    }
+    let targets: Vec<Target> = gws
+        .iter()
+        .map(|gw| Target {
+            url: gw.url(),
+            model: MODEL.into(),
+            prefix_group_header: target == "envoy-ring-hash",
+            timeout: Duration::from_secs_f64((8.0 * p.slo_s + 120.0) * p.time_factor + 10.0),
+        })
+        .collect();
     let client = loadgen::client()?;
     let w = Workload::new(kind, p.scale, seed);
     let slo = p.slo_s;
-    let stages = loadgen::ladder(
+    let label = format!("{}/{target} x{}", kind.name(), targets.len());
+    let stages = wasm_tests::replicas::ladder(
         &client,
-        &t,
+        &targets,
         &w,
         &p.rates,
         p.stage_duration,
         20_000,
         p.time_factor,
-        &format!("{}/{target}", kind.name()),
+        &label,
         |s| far_past(s, slo),
     )
     .await;
-    report_learned(&gw, p, eps.len(), target);
-    drop(gw);
+    for gw in &gws {
+        report_learned(gw, p, eps.len(), target);
+    }
+    drop(gws);
     drop(fleet);
     let _ = eps;
     Ok(stages)
@@ -530,9 +546,18 @@ async fn main() -> anyhow::Result<()> {
             kind, p.rates, p.stage_duration, p.scale, p.time_factor, p.slo_s
         );
         let mut table: Vec<TargetResult> = Vec::new();
-        for target in &targets {
+        let jobs: Vec<(String, usize)> = targets
+            .iter()
+            .flat_map(|t| a.gateways.iter().map(move |&g| (t.clone(), g)))
+            .collect();
+        for (name, gateways) in &jobs {
+            let target = &if *gateways > 1 {
+                format!("{name} x{gateways}")
+            } else {
+                name.clone()
+            };
             let t0 = Instant::now();
-            let stages = match run_one(kind, &p, target, a.seed).await {
+            let stages = match run_one(kind, &p, name, a.seed, *gateways).await {
                 Ok(s) => s,
                 Err(e) => {
                     let msg = format!("{kind}/{target}: skipped: {e:#}");

@@ -1,0 +1,326 @@
+//! `overhead`: what the filter costs inside Envoy. Two Envoys (`--concurrency 2`), one plain
+//! and one with tokenaware, run side by side in front of the same instant upstream
+//! ([`wasm_tests::instant`]: three loopback endpoints that answer every POST at once), and
+//! `wrk` drives each in turn with one chat body, rounds alternating which goes first:
+//!
+//! - throughput: `wrk -t2 -c<connections>` closed loop, requests/s and Envoy CPU time per
+//!   request (utime + stime of the Envoy process from `/proc/PID/stat`, over the run);
+//! - latency: `wrk -t1 -c1`, one request at a time, p50 and p99 (no queueing in the figure).
+//!
+//! ```sh
+//! cargo build --release --target wasm32-wasip1 -p tokenaware
+//! cargo run -p wasm-tests --release --bin overhead -- [--secs 10] [--rounds 3]
+//! ```
+//!
+//! The same body is sent every time, so after the first request the filter's path is the hot
+//! one: parse, hash, index hit, sticky pick. Writes `target/overhead/results.json`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use serde::Serialize;
+use serde_json::json;
+use wasm_tests::envoy::{repo_root, Envoy, GatewayConfig};
+use wasm_tests::fleet::MODEL;
+
+#[derive(Debug, Parser)]
+#[command(about = "Envoy with and without tokenaware: requests/s, added p99, CPU per request")]
+struct Args {
+    /// Seconds per wrk run.
+    #[arg(long, default_value_t = 10)]
+    secs: u32,
+    /// Rounds (each runs both gateways for every size).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Connections of the throughput runs.
+    #[arg(long, default_value_t = 32)]
+    connections: u32,
+    /// Chat body sizes in bytes.
+    #[arg(long, value_delimiter = ',', default_values_t = [4096, 225_280])]
+    sizes: Vec<usize>,
+    /// Extra plugin-config fields (a JSON object), e.g. `{"routes":["/none"]}` to measure the
+    /// filter loaded but not routing.
+    #[arg(long)]
+    extra: Option<String>,
+    #[arg(long, default_value = "target/overhead")]
+    out_dir: PathBuf,
+}
+
+/// Prints every request's latency distribution summary on one line wrk's `done` writes.
+const LUA: &str = r#"
+function init(args)
+  local f = assert(io.open(args[1], "rb"))
+  wrk.body = f:read("*a")
+  f:close()
+  wrk.method = "POST"
+  wrk.headers["Content-Type"] = "application/json"
+end
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("RESULT %d %d %d %d %d %d\n", summary.requests, summary.duration,
+    latency:percentile(50), latency:percentile(99),
+    e.connect + e.read + e.write + e.timeout, e.status))
+end
+"#;
+
+/// One wrk run's figures.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct Run {
+    requests: u64,
+    secs: f64,
+    rps: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    errors: u64,
+    /// Envoy CPU time per request, µs.
+    cpu_us_per_req: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Row {
+    round: usize,
+    size: usize,
+    plain_tput: Run,
+    filter_tput: Run,
+    plain_lat: Run,
+    filter_lat: Run,
+    rps_ratio: f64,
+    added_p50_ms: f64,
+    added_p99_ms: f64,
+    added_cpu_us: f64,
+}
+
+fn chat_body(bytes: usize) -> String {
+    let unit = "Shared system prompt for the overhead run. ";
+    json!({
+        "model": MODEL,
+        "max_tokens": 1,
+        "messages": [
+            {"role": "system", "content": unit.repeat(bytes.saturating_sub(120) / unit.len())},
+            {"role": "user", "content": "question 1"}
+        ]
+    })
+    .to_string()
+}
+
+/// Clock ticks of user + system time of a process (`/proc/PID/stat` fields 14 and 15).
+fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name (field 2) may hold spaces; count fields after its closing paren.
+    let rest = stat.rsplit_once(')').context("stat format")?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let (utime, stime) = (f.get(11), f.get(12));
+    Ok(utime.context("utime")?.parse::<u64>()? + stime.context("stime")?.parse::<u64>()?)
+}
+
+fn clock_ticks_per_sec() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+/// Runs wrk against `url` and reads the `RESULT` line; CPU from `pid` over the run.
+fn wrk(
+    url: &str,
+    pid: u32,
+    threads: u32,
+    conns: u32,
+    secs: u32,
+    lua: &Path,
+    body: &Path,
+) -> anyhow::Result<Run> {
+    let before = cpu_ticks(pid)?;
+    let out = Command::new("wrk")
+        .args(["-t", &threads.to_string(), "-c", &conns.to_string()])
+        .args(["-d", &format!("{secs}s"), "--timeout", "10s", "-s"])
+        .arg(lua)
+        .arg(url)
+        .arg("--")
+        .arg(body)
+        .output()
+        .context("running wrk (apt-get install wrk, or scripts/setup.sh)")?;
+    let ticks = cpu_ticks(pid)? - before;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let Some(line) = text.lines().find_map(|l| l.strip_prefix("RESULT ")) else {
+        bail!(
+            "wrk gave no result: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<Result<_, _>>()?;
+    let [requests, dur_us, p50, p99, sock, status] = v[..] else {
+        bail!("bad wrk result line {line:?}");
+    };
+    let secs = dur_us as f64 / 1e6;
+    Ok(Run {
+        requests,
+        secs,
+        rps: requests as f64 / secs,
+        p50_ms: p50 as f64 / 1e3,
+        p99_ms: p99 as f64 / 1e3,
+        errors: sock + status,
+        cpu_us_per_req: ticks as f64 / clock_ticks_per_sec() * 1e6 / requests.max(1) as f64,
+    })
+}
+
+/// min / median / max.
+fn spread(mut v: Vec<f64>) -> String {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => "-".into(),
+        n => format!("{:.2} / {:.2} / {:.2}", v[0], v[n / 2], v[n - 1]),
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let wasm = repo_root().join("target/wasm32-wasip1/release/tokenaware.wasm");
+    anyhow::ensure!(
+        wasm.is_file(),
+        "build the filter first: cargo build --release --target wasm32-wasip1 -p tokenaware"
+    );
+    let eps = wasm_tests::instant::start(3).await?;
+    let list: Vec<_> = eps.iter().map(|a| json!({ "address": a })).collect();
+    let mut plugin = json!({ "endpoints": list });
+    if let Some(extra) = &args.extra {
+        let serde_json::Value::Object(extra) = serde_json::from_str(extra)? else {
+            bail!("--extra must be a JSON object");
+        };
+        if let Some(p) = plugin.as_object_mut() {
+            p.extend(extra);
+        }
+    }
+    let plugin = plugin.to_string();
+    let plain = GatewayConfig::new(eps.clone());
+    let filtered = GatewayConfig::new(eps.clone()).with_wasm(&wasm, plugin);
+    let (plain, filtered) = tokio::task::spawn_blocking(move || {
+        anyhow::Ok((Envoy::start(plain)?, Envoy::start(filtered)?))
+    })
+    .await??;
+    println!(
+        "upstream: instant stub on {}; Envoy --concurrency 2 plain pid {} / filter pid {}",
+        eps.join(","),
+        plain.pid(),
+        filtered.pid()
+    );
+
+    std::fs::create_dir_all(&args.out_dir)?;
+    let dir = std::env::temp_dir().join(format!("tokenaware-overhead-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let lua = dir.join("post.lua");
+    std::fs::write(&lua, LUA)?;
+
+    let mut rows = Vec::new();
+    for size in args.sizes.clone() {
+        let body = dir.join(format!("body-{size}.json"));
+        std::fs::write(&body, chat_body(size))?;
+        for round in 0..args.rounds {
+            // Alternate which gateway runs first, so drift in the machine's load is shared.
+            let order = if round % 2 == 0 {
+                [false, true]
+            } else {
+                [true, false]
+            };
+            let mut tput = [None, None];
+            let mut lat = [None, None];
+            for with_filter in order {
+                let e = if with_filter { &filtered } else { &plain };
+                let url = e.url("/v1/chat/completions");
+                let (pid, secs, conns) = (e.pid(), args.secs, args.connections);
+                let (lua, body) = (lua.clone(), body.clone());
+                let (t, l) = tokio::task::spawn_blocking(move || {
+                    anyhow::Ok((
+                        wrk(&url, pid, 2, conns, secs, &lua, &body)?,
+                        wrk(&url, pid, 1, 1, secs, &lua, &body)?,
+                    ))
+                })
+                .await??;
+                tput[usize::from(with_filter)] = Some(t);
+                lat[usize::from(with_filter)] = Some(l);
+            }
+            let [Some(pt), Some(ft)] = tput else {
+                bail!("missing run")
+            };
+            let [Some(pl), Some(fl)] = lat else {
+                bail!("missing run")
+            };
+            let row = Row {
+                round,
+                size,
+                rps_ratio: ft.rps / pt.rps,
+                added_p50_ms: fl.p50_ms - pl.p50_ms,
+                added_p99_ms: fl.p99_ms - pl.p99_ms,
+                added_cpu_us: ft.cpu_us_per_req - pt.cpu_us_per_req,
+                plain_tput: pt,
+                filter_tput: ft,
+                plain_lat: pl,
+                filter_lat: fl,
+            };
+            println!(
+                "{:>6} B round {round}: rps plain {:.0} filter {:.0} ({:.1} %) | 1-conn p50 {:.3}/{:.3} ms p99 {:.3}/{:.3} ms (added p99 {:+.3}) | CPU/req {:.0}/{:.0} µs | errors {}/{}",
+                size,
+                pt.rps,
+                ft.rps,
+                100.0 * row.rps_ratio,
+                pl.p50_ms,
+                fl.p50_ms,
+                pl.p99_ms,
+                fl.p99_ms,
+                row.added_p99_ms,
+                pt.cpu_us_per_req,
+                ft.cpu_us_per_req,
+                pt.errors + pl.errors,
+                ft.errors + fl.errors,
+            );
+            rows.push(row);
+        }
+    }
+
+    println!("\nsummary (min / median / max over rounds)");
+    println!("| body | rps plain | rps filter | filter/plain | added p50 ms | added p99 ms | CPU µs/req plain | CPU µs/req filter |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for size in &args.sizes {
+        let rs: Vec<&Row> = rows.iter().filter(|r| r.size == *size).collect();
+        let col = |f: &dyn Fn(&Row) -> f64| spread(rs.iter().map(|r| f(r)).collect());
+        println!(
+            "| {} B | {} | {} | {} | {} | {} | {} | {} |",
+            size,
+            col(&|r| r.plain_tput.rps),
+            col(&|r| r.filter_tput.rps),
+            col(&|r| r.rps_ratio),
+            col(&|r| r.added_p50_ms),
+            col(&|r| r.added_p99_ms),
+            col(&|r| r.plain_tput.cpu_us_per_req),
+            col(&|r| r.filter_tput.cpu_us_per_req),
+        );
+    }
+    for (name, e) in [("plain", &plain), ("filter", &filtered)] {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", e.pid()))?;
+        let rss = status
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .unwrap_or("");
+        println!(
+            "{name} Envoy after the runs: {}",
+            rss.split_whitespace().collect::<Vec<_>>().join(" ")
+        );
+    }
+    let routed = filtered
+        .stat("wasmcustom.tokenaware_requests_routed")?
+        .unwrap_or(0);
+    println!("filter: tokenaware_requests_routed = {routed}");
+    let out = args.out_dir.join("results.json");
+    std::fs::write(&out, serde_json::to_string_pretty(&rows)?)?;
+    println!("wrote {}", out.display());
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
