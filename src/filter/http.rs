@@ -274,12 +274,17 @@ impl HttpFilter {
         let (Some(routed), Some(vm)) = (self.routed.as_mut(), self.vm.as_ref()) else {
             return;
         };
+        // Without a clock reading the prefill is still released; it just is no TTFT sample.
+        let now = match h.now_ms() {
+            Ok(now) => now,
+            Err(_) => {
+                routed.ttft_sample = false;
+                routed.dispatch_ms
+            }
+        };
         let ok = !slot_is_ours(h, vm, routed)
             || match vm.router.try_borrow() {
-                Ok(r) => match h.now_ms() {
-                    Ok(now) => r.first_byte(h, routed, now).is_ok(),
-                    Err(_) => false,
-                },
+                Ok(r) => r.first_byte(h, routed, now).is_ok(),
                 Err(_) => false,
             };
         if !ok {

@@ -844,3 +844,64 @@ fn a_new_static_list_replaces_the_stored_table_and_keeps_slots() {
         respond(&h, &mut f, b"{}");
     }
 }
+
+/// One request with a streamed (or not) answer whose first body byte comes `ttft_ms` after
+/// the decision, and a final chunk carrying `usage`.
+fn answer(h: &FakeHost, vm: &Rc<Vm>, stream: bool, ttft_ms: u64) {
+    let body = serde_json::json!({
+        "model": "m",
+        "stream": stream,
+        "messages": [{"role": "system", "content": "p".repeat(8_000)}, {"role": "user", "content": "q"}],
+    })
+    .to_string();
+    let (mut f, _) = send(h, vm, CHAT, body.as_bytes());
+    h.set_response_status(200);
+    f.on_response_headers(h, false);
+    h.now.set(h.now.get() + ttft_ms);
+    let chunks: [&[u8]; 2] = [
+        b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n",
+        b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":2700}}\n\ndata: [DONE]\n\n",
+    ];
+    for c in chunks {
+        *h.response_body.borrow_mut() = c.to_vec();
+        f.on_response_body(h, c.len(), false);
+    }
+    f.on_log(h);
+    h.now.set(h.now.get() + 1_000);
+}
+
+#[test]
+fn streamed_first_bytes_and_usage_feed_the_estimates() {
+    let h = FakeHost::new();
+    let vm = vm(&h, r#","peakPrefillThroughput":"auto""#);
+    let samples = |h: &FakeHost| -> u64 {
+        let r = vm.router.borrow();
+        let table = vm.table(h);
+        table
+            .endpoints
+            .iter()
+            .map(|e| r.estimator.read(h, e.slot).map(|x| x.total).unwrap_or(0))
+            .sum()
+    };
+    answer(&h, &vm, false, 300);
+    assert_eq!(
+        samples(&h),
+        0,
+        "a non-streamed first byte is no TTFT sample"
+    );
+    for _ in 0..3 {
+        answer(&h, &vm, true, 300);
+    }
+    assert_eq!(samples(&h), 3);
+    assert_ledger_zero(&h, &vm);
+    let bpt = vm
+        .router
+        .borrow()
+        .estimator
+        .bytes_per_token(&h, "m")
+        .unwrap();
+    assert!(
+        bpt < 4.0,
+        "2,700 served tokens for ~8 KB teach < 4 bytes/token: {bpt}"
+    );
+}
