@@ -45,7 +45,7 @@ const P_TRACE_MAX: f64 = 1e4;
 const MIN_CAPACITY_SHARE: f64 = 1.0 / 16.0;
 const MODEL_KEYS: u64 = 64;
 
-const FIELDS: usize = 14;
+const FIELDS: usize = 12;
 const RECORD: usize = FIELDS * 8;
 
 /// What the estimator believes about one endpoint.
@@ -86,9 +86,6 @@ struct Record {
     /// decayed per sample: their ratio is the prefill rate.
     tokens: f64,
     busy_s: f64,
-    /// The same sums over every sample, outliers included (shown for diagnosis).
-    all_tokens: f64,
-    all_busy_s: f64,
     /// End of the busy time counted so far, ms.
     watermark_ms: f64,
     /// `ttft − W / R̂ ≈ theta[0] + theta[1]·A`: the fixed overhead and what active
@@ -109,8 +106,6 @@ impl Record {
             // One second of pseudo-data at the prior rate: real samples outweigh it fast.
             tokens: rate * PRIOR_BUSY_S,
             busy_s: PRIOR_BUSY_S,
-            all_tokens: rate * PRIOR_BUSY_S,
-            all_busy_s: PRIOR_BUSY_S,
             watermark_ms: 0.0,
             theta: [0.0, 0.0],
             p: [1.0, 0.0, 0.25],
@@ -142,8 +137,6 @@ impl Record {
             scale: f(8),
             observations: f(9),
             total: f(10),
-            all_tokens: f(11),
-            all_busy_s: f(12),
             capacity_share: (f64::from(hi & 0xFFFF) / 65_535.0).clamp(MIN_CAPACITY_SHARE, 1.0),
             checks_and_misses: (hi >> 16, misses),
         };
@@ -157,10 +150,8 @@ impl Record {
             r.p[1],
             r.p[2],
             r.scale,
-            r.all_tokens,
-            r.all_busy_s,
         ];
-        if numbers.iter().all(|x| x.is_finite()) && r.busy_s > 0.0 && r.all_busy_s > 0.0 {
+        if numbers.iter().all(|x| x.is_finite()) && r.busy_s > 0.0 {
             r
         } else {
             Record::prior(rate)
@@ -184,8 +175,6 @@ impl Record {
             self.scale,
             self.observations,
             self.total,
-            self.all_tokens,
-            self.all_busy_s,
             f64::from_bits(packed),
         ];
         all.iter().flat_map(|x| x.to_le_bytes()).collect()
@@ -208,8 +197,6 @@ impl Record {
         let (start, end) = (sample.dispatch_ms as f64, sample.first_byte_ms as f64);
         let busy = (end - start.max(self.watermark_ms)).max(0.0) / 1000.0;
         let tokens = sample.uncached as f64;
-        self.all_tokens = self.all_tokens * RATE_DECAY + tokens;
-        self.all_busy_s = (self.all_busy_s * RATE_DECAY + busy).max(1e-6);
         // An outlier: a sample far slower than the rate so far (a stall, a retry, or a hit
         // the server missed, so it prefilled far more than the index predicted), or far
         // faster (a predicted miss the server had cached). Samples finishing in the same

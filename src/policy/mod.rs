@@ -46,6 +46,17 @@ pub struct Candidate {
     pub speed: f64,
 }
 
+impl Candidate {
+    /// `speed`, or 1 when it is not a usable number.
+    pub fn speed(&self) -> f64 {
+        if self.speed > 0.0 && self.speed.is_finite() {
+            self.speed
+        } else {
+            1.0
+        }
+    }
+}
+
 impl Default for Candidate {
     fn default() -> Self {
         Candidate {
@@ -91,11 +102,9 @@ impl Ask<'_> {
     /// Token-load cost: what is queued there plus what this request adds (in reference
     /// tokens: a slower endpoint's tokens cost more).
     pub fn cost(&self, c: &Candidate) -> u64 {
-        let own = self.uncached(c);
-        let own = if c.speed > 0.0 && c.speed.is_finite() && c.speed != 1.0 {
-            (own as f64 / c.speed) as u64
-        } else {
-            own
+        let own = match c.speed() {
+            1.0 => self.uncached(c),
+            speed => (self.uncached(c) as f64 / speed) as u64,
         };
         c.load.tokens.saturating_add(own)
     }

@@ -63,12 +63,7 @@ impl Tokenaware {
         // endpoint whatever its speed.
         let key = |i: usize| {
             let c = &fleet[i];
-            let speed = if c.speed > 0.0 && c.speed.is_finite() {
-                c.speed
-            } else {
-                1.0
-            };
-            let work = (c.work_per_s as f64 * WORK_HORIZON_S as f64 / speed) as u64;
+            let work = (c.work_per_s as f64 * WORK_HORIZON_S as f64 / c.speed()) as u64;
             ask.cost(c) + u64::from(c.heads) * ask.tokens + work
         };
         let min = (0..fleet.len()).map(key).min().unwrap_or(0);

@@ -194,41 +194,18 @@ pub async fn ladder(
     label: &str,
     stop: impl Fn(&Summary) -> bool,
 ) -> Vec<Stage> {
-    let arrivals: Vec<Vec<f64>> = rates
-        .iter()
-        .enumerate()
-        .map(|(i, &r)| poisson_arrivals(workload.seed + i as u64, r, stage_duration, max_per_stage))
-        .collect();
-    let total: usize = arrivals.iter().map(Vec::len).sum();
-    let plan = workload.plan(total);
-    let mut out = Vec::new();
-    let mut offset = 0;
-    for (&rate, arr) in rates.iter().zip(&arrivals) {
-        let items = &plan[offset..offset + arr.len()];
-        offset += arr.len();
-        let pb = progress_bar(arr.len(), &format!("{label} @{rate}/s"));
-        let records = run(
-            client,
-            target,
-            items,
-            &Pace::Open(arr.clone()),
-            time_factor,
-            Some(&pb),
-        )
-        .await;
-        pb.finish_and_clear();
-        let summary = summarize(&records, workload.scale);
-        let halt = stop(&summary);
-        out.push(Stage {
-            rate,
-            summary,
-            records,
-        });
-        if halt {
-            break;
-        }
-    }
-    out
+    crate::replicas::ladder(
+        client,
+        std::slice::from_ref(target),
+        workload,
+        rates,
+        stage_duration,
+        max_per_stage,
+        time_factor,
+        label,
+        stop,
+    )
+    .await
 }
 
 /// Sends one streaming request and reads the whole stream.
