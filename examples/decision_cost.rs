@@ -1,16 +1,37 @@
 //! Decision cost, natively: parse + hash + match + pick (+ ledger charge and index insert,
 //! which the filter also does on the request path) for a chat body, against 10 endpoints
-//! whose tables are warm. Prints median and p99 per decision.
+//! whose tables are warm. Prints median and p99 per decision, and the store reads and writes
+//! per request (route, first byte, finish): in Envoy each is a shared-data hostcall.
 //!
 //!     cargo run --release --example decision_cost
 
 use std::time::Instant;
 
+use std::cell::Cell;
 use tokenaware::config::{Config, EndpointConfig};
 use tokenaware::endpoints::EndpointTable;
 use tokenaware::request::{parse, ApiKind, ParseLimits};
 use tokenaware::router::{Outcome, Router};
-use tokenaware::store::MemStore;
+
+use tokenaware::store::{Cas, MemStore, SharedStore, StoreError};
+
+/// Counts the store operations the router makes.
+struct Counting {
+    inner: MemStore,
+    reads: Cell<u64>,
+    writes: Cell<u64>,
+}
+
+impl SharedStore for Counting {
+    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<Cas>), StoreError> {
+        self.reads.set(self.reads.get() + 1);
+        self.inner.get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
+        self.writes.set(self.writes.get() + 1);
+        self.inner.set(key, value, cas)
+    }
+}
 
 fn chat_body(system_bytes: usize, question: usize) -> Vec<u8> {
     // Word-like text, so JSON escaping and UTF-8 checks see realistic input.
@@ -46,7 +67,11 @@ fn measure(label: &str, system_bytes: usize, iterations: usize) {
         ..Config::default()
     };
     let table = EndpointTable::from_config(&cfg);
-    let store = MemStore::new();
+    let store = Counting {
+        inner: MemStore::new(),
+        reads: Cell::new(0),
+        writes: Cell::new(0),
+    };
     let mut router = Router::new(cfg);
     let _ = router.sync_capacities(&store, &table.endpoints);
     let limits = ParseLimits::default();
@@ -68,18 +93,26 @@ fn measure(label: &str, system_bytes: usize, iterations: usize) {
             let _ = router.first_byte(&store, &mut r, 0);
             let _ = router.finish(&store, &mut r, Outcome::Done);
         }
+        if i == 199 {
+            store.reads.set(0);
+            store.writes.set(0);
+        }
         if i >= 200 {
             times.push(elapsed.as_secs_f64() * 1e6);
         }
     }
     times.sort_by(f64::total_cmp);
     let q = |p: f64| times[((times.len() as f64 * p) as usize).min(times.len() - 1)];
+    let per = |n: u64| n as f64 / times.len() as f64;
     println!(
-        "{label:<24} body {:>7} B  decisions {:>6}  median {:>8.1} µs  p99 {:>8.1} µs",
+        "{label:<24} body {:>7} B  decisions {:>6}  median {:>8.1} µs  p99 {:>8.1} µs  \
+         store reads {:.1} writes {:.1} per request",
         bodies[0].len(),
         times.len(),
         q(0.5),
-        q(0.99)
+        q(0.99),
+        per(store.reads.get()),
+        per(store.writes.get())
     );
 }
 
