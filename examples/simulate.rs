@@ -98,6 +98,14 @@ struct Args {
     /// Half the fleet (the first half) prefills at half --prefill-rate.
     #[arg(long)]
     slow_half: bool,
+    /// Scorer (token-load, active-request, latency); default: latency with
+    /// `--ttft-source latency`, else token-load.
+    #[arg(long, value_parser = ["token-load", "active-request", "latency"])]
+    scorer: Option<String>,
+    /// Picker (max-score, weighted-random); default: weighted-random with
+    /// `--ttft-source latency`, else max-score.
+    #[arg(long, value_parser = ["max-score", "weighted-random"])]
+    picker: Option<String>,
 }
 
 impl Args {
@@ -237,15 +245,14 @@ fn config(a: &Args, r: Run) -> Config {
         } else {
             TtftSource::PrefillThroughput
         },
-        scorer: if latency {
-            Scorer::Latency
-        } else {
-            Scorer::TokenLoad
+        scorer: match (a.scorer.as_deref(), latency) {
+            (Some("latency"), _) | (None, true) => Scorer::Latency,
+            (Some("active-request"), _) => Scorer::ActiveRequest,
+            _ => Scorer::TokenLoad,
         },
-        picker: if latency {
-            Picker::WeightedRandom
-        } else {
-            Picker::MaxScore
+        picker: match (a.picker.as_deref(), latency) {
+            (Some("weighted-random"), _) | (None, true) => Picker::WeightedRandom,
+            _ => Picker::MaxScore,
         },
         policy: r.policy,
         gate: if a.gate == "relative" {
