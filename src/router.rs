@@ -35,6 +35,14 @@ impl From<StoreError> for RouteError {
     }
 }
 
+/// Which shared table a later update of a request failed on: the ledger (its charge then
+/// expires with the request TTL) or the learned estimates (one sample lost).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpdateError {
+    Ledger,
+    Estimates,
+}
+
 /// A routed request: where it went, and what it holds in the tables until it ends.
 #[derive(Debug, Clone)]
 pub struct Routed {
@@ -338,18 +346,20 @@ impl Router {
     }
 
     /// The first response byte: the prompt is prefilled. A streamed answer's first byte is
-    /// also a TTFT sample for the endpoint's estimates.
+    /// also a TTFT sample for the endpoint's estimates. The prefill is released even when
+    /// the sample cannot be stored.
     pub fn first_byte<S: SharedStore + ?Sized>(
         &self,
         s: &S,
         r: &mut Routed,
         now_ms: u64,
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), UpdateError> {
         if r.first_byte_seen {
             return Ok(());
         }
         r.first_byte_seen = true;
         let released = self.ledger.release_prefill(s, &mut r.charge);
+        let mut sampled = Ok(());
         if r.ttft_sample {
             let sample = TtftSample {
                 dispatch_ms: r.dispatch_ms,
@@ -358,9 +368,10 @@ impl Router {
                 uncached: r.uncached,
                 active: r.ahead.requests,
             };
-            self.estimator.observe_ttft(s, r.charge.slot, &sample)?;
+            sampled = self.estimator.observe_ttft(s, r.charge.slot, &sample);
         }
-        released
+        released.map_err(|_| UpdateError::Ledger)?;
+        sampled.map_err(|_| UpdateError::Estimates)
     }
 
     /// `usage` of the answer: the served prompt tokens (against `prompt_bytes` of canonical
@@ -522,6 +533,46 @@ mod tests {
         assert_eq!(r.estimator.read(&s, slot).unwrap().total, 1);
         r.finish(&s, &mut second, Outcome::Done).unwrap();
         assert_eq!(r.ledger.load(&s, slot, 6_000).unwrap(), Default::default());
+    }
+
+    /// A store whose learned-estimate keys cannot be written.
+    struct EstimatesDown(MemStore);
+
+    impl SharedStore for EstimatesDown {
+        fn get(
+            &self,
+            key: &str,
+        ) -> Result<(Option<Vec<u8>>, Option<crate::store::Cas>), StoreError> {
+            self.0.get(key)
+        }
+        fn set(
+            &self,
+            key: &str,
+            value: &[u8],
+            cas: Option<crate::store::Cas>,
+        ) -> Result<(), StoreError> {
+            match key.contains("/est/") {
+                true => Err(StoreError::Host),
+                false => self.0.set(key, value, cas),
+            }
+        }
+    }
+
+    #[test]
+    fn a_lost_ttft_sample_still_releases_the_prefill() {
+        let (mut r, t, _) = router(r#","peakPrefillThroughput":"auto""#);
+        let s = EstimatesDown(MemStore::new());
+        let chain = r.hash(&chat(&"x".repeat(40_000), "q"));
+        let mut routed = r.route(&s, &t.endpoints, &chain, 10_000, 0).unwrap();
+        let slot = routed.charge.slot;
+        assert_eq!(
+            r.first_byte(&s, &mut routed, 500),
+            Err(UpdateError::Estimates)
+        );
+        assert_eq!(r.ledger.load(&s, slot, 600).unwrap().prefilling, 0);
+        assert_eq!(r.ledger.load(&s, slot, 600).unwrap().requests, 1);
+        r.finish(&s, &mut routed, Outcome::Done).unwrap();
+        assert_eq!(r.ledger.load(&s, slot, 600).unwrap(), Default::default());
     }
 
     #[test]

@@ -16,7 +16,7 @@ use super::usage;
 use super::vm::Vm;
 use crate::estimator::CacheCheck;
 use crate::request::{parse, ApiKind, ParseLimits};
-use crate::router::{Outcome, RouteError, Routed};
+use crate::router::{Outcome, RouteError, Routed, UpdateError};
 
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 pub const DESTINATION_SERVED: &str = "x-gateway-destination-endpoint-served";
@@ -265,7 +265,7 @@ impl HttpFilter {
             Ok(CacheCheck::Missed) => vm.stats.inc(h, Counter::CacheMisses),
             Ok(CacheCheck::Held) => vm.stats.inc(h, Counter::CacheHeld),
             Ok(CacheCheck::NotPredicted) => {}
-            Err(_) => vm.stats.inc(h, Counter::ReleaseErrors),
+            Err(_) => vm.stats.inc(h, Counter::EstimateErrors),
         }
     }
 
@@ -282,13 +282,17 @@ impl HttpFilter {
                 routed.dispatch_ms
             }
         };
-        let ok = !slot_is_ours(h, vm, routed)
-            || match vm.router.try_borrow() {
-                Ok(r) => r.first_byte(h, routed, now).is_ok(),
-                Err(_) => false,
-            };
-        if !ok {
-            vm.stats.inc(h, Counter::ReleaseErrors);
+        if !slot_is_ours(h, vm, routed) {
+            return;
+        }
+        let updated = match vm.router.try_borrow() {
+            Ok(r) => r.first_byte(h, routed, now),
+            Err(_) => Err(UpdateError::Ledger),
+        };
+        match updated {
+            Ok(()) => {}
+            Err(UpdateError::Ledger) => vm.stats.inc(h, Counter::ReleaseErrors),
+            Err(UpdateError::Estimates) => vm.stats.inc(h, Counter::EstimateErrors),
         }
     }
 

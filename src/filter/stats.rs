@@ -103,10 +103,12 @@ pub enum Counter {
     CacheMisses,
     /// Endpoints seen to restart cold (their index entries dropped).
     EndpointResets,
+    /// A TTFT sample or a `usage` observation could not be stored in the shared estimates.
+    EstimateErrors,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 16] = [
+    pub const ALL: [Counter; 17] = [
         Counter::Routed,
         Counter::Released,
         Counter::FailedEarly,
@@ -123,6 +125,7 @@ impl Counter {
         Counter::CacheHeld,
         Counter::CacheMisses,
         Counter::EndpointResets,
+        Counter::EstimateErrors,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -143,6 +146,7 @@ impl Counter {
             Counter::CacheHeld => "tokenaware_cache_predictions_held",
             Counter::CacheMisses => "tokenaware_cache_predictions_missed",
             Counter::EndpointResets => "tokenaware_endpoint_resets",
+            Counter::EstimateErrors => "tokenaware_estimate_errors",
         }
     }
 
