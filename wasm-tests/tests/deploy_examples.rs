@@ -9,10 +9,14 @@
 //!   to a representative generated listener and cluster, give a bootstrap that
 //!   `envoy --mode validate` accepts. Validation loads the module in V8 and runs its
 //!   `on_configure` (the filters are switched to fail closed for this), so a broken plugin
-//!   configuration fails it, as does a misspelled Envoy field.
+//!   configuration fails it, as does a misspelled Envoy field;
+//! - in those assembled configs the route to the models buffers at least `maxBodyBytes` plus
+//!   one listener read, so Envoy never answers 413 to a body the filter still holds; run for
+//!   real on loopback (with the fleet), a prompt over the platform's listener limit gets 200
+//!   with the patch and Envoy's 413 without it.
 //!
 //! `deploy_examples/crd.rs` holds the schema checker, `deploy_examples/patch.rs` the merge
-//! and JSON-patch helpers.
+//! and JSON-patch helpers, `deploy_examples/live.rs` the loopback run.
 //!
 //! The Envoy checks need Envoy (scripts/setup.sh) and the release module; without Envoy
 //! they are skipped unless TOKENAWARE_REQUIRE_ENVOY is set.
@@ -20,6 +24,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -28,8 +33,11 @@ use wasm_tests::envoy::{envoy_binary, have_envoy, repo_root};
 
 #[path = "deploy_examples/crd.rs"]
 mod crd;
+#[path = "deploy_examples/live.rs"]
+mod live;
 #[path = "deploy_examples/patch.rs"]
 mod patch;
+mod support;
 
 use crd::{crd_specs, resource_errors};
 use patch::{json_path, pointer_add, pointer_remove, proto_merge};
@@ -40,6 +48,12 @@ const ROUTER: &str = "envoy.filters.http.router";
 const ISTIO_MODEL_CLUSTER: &str = "outbound|8000||vllm.models.svc.cluster.local";
 const EG_MODEL_CLUSTER: &str = "httproute/models/llm/rule/0";
 const EG_LISTENER: &str = "models/eg/http";
+const ISTIO_VHOST: &str = "llm.example.com:80";
+const LISTENER_TYPE: &str = "type.googleapis.com/envoy.config.listener.v3.Listener";
+const CLUSTER_TYPE: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";
+const ROUTE_TYPE: &str = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration";
+/// Envoy's per-connection buffer limit where a listener sets none (1 MiB).
+const ENVOY_DEFAULT_CONNECTION_BUFFER: u64 = 1 << 20;
 
 // === files ===
 
@@ -328,22 +342,33 @@ fn endpoint(ip: &str, port: u16) -> Value {
     json!({ "endpoint": { "address": { "socket_address": { "address": ip, "port_value": port } } } })
 }
 
-fn hcm(stat_prefix: &str, cluster: &str, filters: Vec<Value>) -> Value {
+fn hcm(stat_prefix: &str, route_config: Value, filters: Vec<Value>) -> Value {
     json!({
         "name": HCM,
         "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
             "stat_prefix": stat_prefix,
-            "route_config": {
-                "name": "routes",
-                "virtual_hosts": [{
-                    "name": "llm", "domains": ["*"],
-                    "routes": [{ "match": { "prefix": "/" }, "route": { "cluster": cluster, "timeout": "300s" } }]
-                }]
-            },
+            "route_config": route_config,
             "http_filters": filters,
         }
     })
+}
+
+/// The HCM of a listener shaped as these tests build them.
+fn hcm_config(listener: &Value) -> &Value {
+    listener
+        .pointer("/filter_chains/0/filters/0/typed_config")
+        .or_else(|| listener.pointer("/default_filter_chain/filters/0/typed_config"))
+        .unwrap()
+}
+
+fn hcm_config_mut(listener: &mut Value) -> &mut Value {
+    let at = if listener.pointer("/filter_chains/0").is_some() {
+        "/filter_chains/0/filters/0/typed_config"
+    } else {
+        "/default_filter_chain/filters/0/typed_config"
+    };
+    listener.pointer_mut(at).unwrap()
 }
 
 fn router() -> Value {
@@ -351,12 +376,35 @@ fn router() -> Value {
 }
 
 /// A listener and model cluster shaped like the ones istiod generates for an ingress gateway
-/// (EDS replaced by static endpoints, mTLS left out: validate mode has no SDS).
+/// serving VirtualService host `llm.example.com` on Gateway server port 80 (EDS replaced by
+/// static endpoints, RDS by the same route configuration inline, mTLS left out: validate
+/// mode has no SDS). No per_connection_buffer_limit_bytes: Istio sets none unless the
+/// ConnectionSettings EDGE profile (32 KiB) or an explicit value asks for it.
 fn istio_generated() -> (Value, Vec<Value>) {
+    let routes = json!({
+        "name": "http.8080",
+        "virtual_hosts": [{
+            "name": ISTIO_VHOST,
+            "domains": ["llm.example.com", "llm.example.com:*"],
+            "include_request_attempt_count": true,
+            "routes": [{
+                "name": "llm",
+                "match": { "prefix": "/" },
+                "route": {
+                    "cluster": ISTIO_MODEL_CLUSTER,
+                    "timeout": "300s",
+                    "retry_policy": {
+                        "retry_on": "connect-failure,refused-stream,unavailable,cancelled,retriable-status-codes",
+                        "num_retries": 2
+                    }
+                }
+            }]
+        }]
+    });
     let listener = json!({
         "name": "0.0.0.0_8080",
         "address": { "socket_address": { "address": "0.0.0.0", "port_value": 8080 } },
-        "filter_chains": [{ "filters": [hcm("outbound_0.0.0.0_8080", ISTIO_MODEL_CLUSTER, vec![router()])] }],
+        "filter_chains": [{ "filters": [hcm("outbound_0.0.0.0_8080", routes, vec![router()])] }],
     });
     let cluster = json!({
         "name": ISTIO_MODEL_CLUSTER,
@@ -376,7 +424,7 @@ fn istio_generated() -> (Value, Vec<Value>) {
 }
 
 fn http_filters(listener: &mut Value) -> &mut Vec<Value> {
-    listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+    hcm_config_mut(listener)["http_filters"]
         .as_array_mut()
         .unwrap()
 }
@@ -426,6 +474,20 @@ fn istio_bootstrap(filter: &Value, clusters: &Value, wasm: &Path) -> Value {
                 proto_merge(c, value);
             }
             ("CLUSTER", "ADD") => cluster_list.push(value.clone()),
+            ("VIRTUAL_HOST", "MERGE") => {
+                let m = &p["match"]["routeConfiguration"];
+                let keys: Vec<&String> = m.as_object().unwrap().keys().collect();
+                assert_eq!(keys, ["vhost"], "only a vhost name match is modelled: {p}");
+                let want = m["vhost"]["name"].as_str().unwrap();
+                let vhosts = hcm_config_mut(&mut listener)["route_config"]["virtual_hosts"]
+                    .as_array_mut()
+                    .unwrap();
+                let vh = vhosts
+                    .iter_mut()
+                    .find(|v| v["name"] == want)
+                    .unwrap_or_else(|| panic!("MERGE matches no virtual host ({want})"));
+                proto_merge(vh, value);
+            }
             other => panic!("patch {other:?} not modelled by this test"),
         }
     }
@@ -475,11 +537,27 @@ fn eg_bootstrap(eep: &Value, epp: &Value, wasm: &Path) -> Value {
         .map(|w| eg_wasm_filter(w, wasm))
         .collect();
     filters.push(router());
+    // internal/xds/translator: the route configuration is named as the listener, one virtual
+    // host per hostname (`*` here), routes named httproute/NS/NAME/rule/R/match/M/HOST.
+    let routes = json!({
+        "name": EG_LISTENER,
+        "virtual_hosts": [{
+            "name": format!("{EG_LISTENER}/*"),
+            "domains": ["*"],
+            "routes": [{
+                "name": "httproute/models/llm/rule/0/match/0/*",
+                "match": { "prefix": "/" },
+                "route": { "cluster": EG_MODEL_CLUSTER, "upgrade_configs": [{ "upgrade_type": "websocket" }] }
+            }]
+        }]
+    });
+    // 32 KiB per connection: tcpListenerPerConnectionBufferLimitBytes in
+    // internal/xds/translator/listener.go.
     let mut listeners = vec![json!({
         "name": EG_LISTENER,
         "address": { "socket_address": { "address": "0.0.0.0", "port_value": 10080 } },
         "per_connection_buffer_limit_bytes": 32768,
-        "default_filter_chain": { "filters": [hcm("http-10080", EG_MODEL_CLUSTER, filters)] },
+        "default_filter_chain": { "filters": [hcm("http-10080", routes, filters)] },
     })];
     let mut clusters = vec![json!({
         "name": EG_MODEL_CLUSTER,
@@ -495,32 +573,36 @@ fn eg_bootstrap(eep: &Value, epp: &Value, wasm: &Path) -> Value {
     })];
     for p in epp["spec"]["jsonPatches"].as_array().unwrap() {
         let op = &p["operation"];
-        let list = match p["type"].as_str().unwrap() {
-            "type.googleapis.com/envoy.config.listener.v3.Listener" => &mut listeners,
-            "type.googleapis.com/envoy.config.cluster.v3.Cluster" => &mut clusters,
-            other => panic!("patch type {other} not modelled"),
-        };
+        let (ty, name) = (p["type"].as_str().unwrap(), p["name"].as_str().unwrap());
         let path = op["path"].as_str().unwrap_or_default();
+        if op["op"] == "add" && path.is_empty() && op["jsonPath"].is_null() {
+            assert_eq!(
+                op["value"]["name"], name,
+                "added resource is named as the patch"
+            );
+            match ty {
+                LISTENER_TYPE => listeners.push(op["value"].clone()),
+                CLUSTER_TYPE => clusters.push(op["value"].clone()),
+                other => panic!("adding a {other} is not modelled"),
+            }
+            continue;
+        }
+        let target = match ty {
+            LISTENER_TYPE => listeners.iter_mut().find(|r| r["name"] == name),
+            CLUSTER_TYPE => clusters.iter_mut().find(|r| r["name"] == name),
+            // Served over RDS under the listener's name; inline in the listener here.
+            ROUTE_TYPE => listeners
+                .iter_mut()
+                .map(|l| &mut hcm_config_mut(l)["route_config"])
+                .find(|r| r["name"] == name),
+            other => panic!("patch type {other} not modelled"),
+        }
+        .unwrap_or_else(|| panic!("patch names no generated resource: {ty} {name}"));
         if op["op"] == "remove" {
-            let name = p["name"].as_str().unwrap();
-            let target = list.iter_mut().find(|r| r["name"] == name).unwrap();
             pointer_remove(target, path).unwrap_or_else(|| panic!("nothing to remove: {p}"));
             continue;
         }
         assert_eq!(op["op"], "add", "only add and remove are modelled: {p}");
-        if path.is_empty() && op["jsonPath"].is_null() {
-            assert_eq!(
-                op["value"]["name"], p["name"],
-                "added resource is named as the patch"
-            );
-            list.push(op["value"].clone());
-            continue;
-        }
-        let name = p["name"].as_str().unwrap();
-        let target = list
-            .iter_mut()
-            .find(|r| r["name"] == name)
-            .unwrap_or_else(|| panic!("patch names no generated resource: {name}"));
         let pointers = match op["jsonPath"].as_str() {
             Some(expr) => json_path(target, expr),
             None => vec![String::new()],
@@ -596,11 +678,7 @@ fn with_bad_plugin_config(boot: &Value) -> Value {
 }
 
 fn filter_named<'a>(listener: &'a Value, root_id: &str) -> &'a Value {
-    let filters = listener
-        .pointer("/filter_chains/0/filters/0/typed_config/http_filters")
-        .or_else(|| listener.pointer("/default_filter_chain/filters/0/typed_config/http_filters"))
-        .and_then(Value::as_array)
-        .unwrap();
+    let filters = hcm_config(listener)["http_filters"].as_array().unwrap();
     let names: Vec<&str> = filters.iter().filter_map(|f| f["name"].as_str()).collect();
     assert_eq!(
         names.last(),
@@ -613,12 +691,87 @@ fn filter_named<'a>(listener: &'a Value, root_id: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no wasm filter with root_id {root_id} in {names:?}"))
 }
 
+fn as_u64(v: &Value) -> Option<u64> {
+    v.as_u64().or_else(|| v.as_str()?.parse().ok())
+}
+
+/// What bounds a request body on the route to `cluster`: (the stream's buffer limit, the
+/// listener's per-connection limit, which is also the most one socket read hands the filter
+/// chain). The stream limit is the route's `request_body_buffer_limit`, else its virtual
+/// host's, else the listener's (Envoy >= 1.37 applies it once the route is matched, so it
+/// holds while the filter buffers).
+fn body_buffer_limits(listener: &Value, cluster: &str) -> (u64, u64) {
+    let read = listener
+        .get("per_connection_buffer_limit_bytes")
+        .map_or(ENVOY_DEFAULT_CONNECTION_BUFFER, |v| as_u64(v).unwrap());
+    let mut limits = Vec::new();
+    let vhosts = hcm_config(listener)["route_config"]["virtual_hosts"]
+        .as_array()
+        .unwrap();
+    for vh in vhosts {
+        for r in vh["routes"].as_array().unwrap() {
+            if r["route"]["cluster"] == cluster {
+                let own = r
+                    .get("request_body_buffer_limit")
+                    .or_else(|| vh.get("request_body_buffer_limit"));
+                limits.push(own.map_or(read, |v| as_u64(v).unwrap()));
+            }
+        }
+    }
+    (
+        limits.into_iter().min().expect("no route to the models"),
+        read,
+    )
+}
+
+/// Whether Envoy leaves a body the filter still holds alone: the route buffers at least the
+/// plugin's `maxBodyBytes` plus one listener read (the most a chunked body can grow past
+/// `maxBodyBytes` before the filter lets it go unrouted).
+fn body_buffer_fits(boot: &Value, cluster: &str) -> Result<(), String> {
+    let listener = &boot["static_resources"]["listeners"][0];
+    let plugin = &filter_named(listener, "tokenaware")["typed_config"]["config"]["configuration"];
+    let max = parse_config(
+        "assembled plugin configuration",
+        plugin["value"].as_str().unwrap(),
+    )
+    .max_body_bytes;
+    let (stream, read) = body_buffer_limits(listener, cluster);
+    if stream >= max + read {
+        Ok(())
+    } else {
+        Err(format!(
+            "body buffer {stream} < maxBodyBytes {max} + listener {read}"
+        ))
+    }
+}
+
+/// `filter` without the patches `keep` refuses.
+fn without_patches(filter: &Value, list: &str, keep: impl Fn(&Value) -> bool) -> Value {
+    let mut f = filter.clone();
+    let patches = f["spec"][list].as_array_mut().unwrap();
+    let before = patches.len();
+    patches.retain(keep);
+    assert!(patches.len() < before, "nothing removed");
+    f
+}
+
+fn istio_clusters() -> Value {
+    one_doc(&examples().join("istio/clusters.yaml"), "EnvoyFilter")
+}
+
+fn eg_patch_policy() -> Value {
+    one_doc(
+        &examples().join("envoy-gateway/patch-policy.yaml"),
+        "EnvoyPatchPolicy",
+    )
+}
+
 #[test]
 fn istio_patches_give_a_valid_envoy_config() {
     if !have_envoy() {
         return;
     }
-    let clusters = one_doc(&examples().join("istio/clusters.yaml"), "EnvoyFilter");
+    let clusters = istio_clusters();
     let boot = istio_bootstrap(&istio_filter(), &clusters, &wasm_path());
     let listener = &boot["static_resources"]["listeners"][0];
     let f = filter_named(listener, "tokenaware");
@@ -639,6 +792,20 @@ fn istio_patches_give_a_valid_envoy_config() {
         "envoy.load_balancing_policies.override_host"
     );
     assert!(cs.iter().any(|c| c["name"] == "tokenaware_admin"));
+    // The models' virtual host buffers a whole body; Istio's default listener alone would not.
+    body_buffer_fits(&boot, ISTIO_MODEL_CLUSTER).unwrap();
+    let plain = without_patches(&clusters, "configPatches", |p| {
+        p["applyTo"] != "VIRTUAL_HOST"
+    });
+    let e = body_buffer_fits(
+        &istio_bootstrap(&istio_filter(), &plain, &wasm_path()),
+        ISTIO_MODEL_CLUSTER,
+    )
+    .unwrap_err();
+    assert!(
+        e.contains(&format!("body buffer {ENVOY_DEFAULT_CONNECTION_BUFFER} <")),
+        "{e}"
+    );
     let mut boot = boot;
     fail_closed(&mut boot);
     envoy_validate("istio", &boot).unwrap();
@@ -661,10 +828,7 @@ fn envoy_gateway_patches_give_a_valid_envoy_config() {
     if !have_envoy() {
         return;
     }
-    let epp = one_doc(
-        &examples().join("envoy-gateway/patch-policy.yaml"),
-        "EnvoyPatchPolicy",
-    );
+    let epp = eg_patch_policy();
     let boot = eg_bootstrap(&eg_extension_policy(), &epp, &wasm_path());
     let listener = &boot["static_resources"]["listeners"][0];
     let f = filter_named(listener, "tokenaware");
@@ -682,6 +846,16 @@ fn envoy_gateway_patches_give_a_valid_envoy_config() {
     assert!(model["common_lb_config"]
         .get("locality_weighted_lb_config")
         .is_none());
+    // The route to the models buffers a whole body; Envoy Gateway's 32 KiB listener alone
+    // would not.
+    body_buffer_fits(&boot, EG_MODEL_CLUSTER).unwrap();
+    let plain = without_patches(&epp, "jsonPatches", |p| p["type"] != ROUTE_TYPE);
+    let e = body_buffer_fits(
+        &eg_bootstrap(&eg_extension_policy(), &plain, &wasm_path()),
+        EG_MODEL_CLUSTER,
+    )
+    .unwrap_err();
+    assert!(e.contains("body buffer 32768 <"), "{e}");
     let mut boot = boot;
     fail_closed(&mut boot);
     envoy_validate("envoy-gateway", &boot).unwrap();
@@ -689,13 +863,73 @@ fn envoy_gateway_patches_give_a_valid_envoy_config() {
     assert!(e.contains("Wasm"), "{e}");
 
     // Without the `remove` patch Envoy refuses the cluster Envoy Gateway generates.
-    let mut partial = epp.clone();
-    partial["spec"]["jsonPatches"]
-        .as_array_mut()
-        .unwrap()
-        .retain(|p| p["operation"]["op"] != "remove");
+    let partial = without_patches(&epp, "jsonPatches", |p| p["operation"]["op"] != "remove");
     let mut boot = eg_bootstrap(&eg_extension_policy(), &partial, &wasm_path());
     fail_closed(&mut boot);
     let e = envoy_validate("envoy-gateway-no-remove", &boot).unwrap_err();
     assert!(e.contains("cannot be combined"), "{e}");
+}
+
+// === (d) the assembled configs, run: a prompt over the listener limit is served ===
+
+/// Runs `boot` (fail closed, so a VM that failed to load cannot pass requests untouched) on
+/// loopback in front of a two-endpoint fleet and POSTs a chat body of about `bytes`:
+/// its status, and whether the filter routed it or Envoy answered 413.
+fn serve_prompt(mut boot: Value, model_cluster: &str, bytes: usize) -> (Option<u16>, u64, u64) {
+    fail_closed(&mut boot);
+    let fleet = wasm_tests::fleet::Fleet::start_on_free_ports(support::fleet(2, 0.001)).unwrap();
+    let envoy = live::Live::start(&boot, model_cluster, &fleet.endpoints());
+    // Endpoints come from admin /clusters (every 2 s); route only once they are known.
+    envoy.wait_stat("tokenaware_discovery_ok", 1, Duration::from_secs(15));
+    let body = support::chat(&support::system(0, bytes), "Summarise.");
+    assert!(body.len() >= bytes);
+    let status = envoy.post("llm.example.com", support::CHAT, &body);
+    (
+        status,
+        envoy.stat("tokenaware_requests_routed"),
+        envoy.stat("downstream_rq_too_large"),
+    )
+}
+
+/// Envoy Gateway reads 32 KiB per connection: a 200 KB prompt (about 50k tokens) gets Envoy's
+/// 413 while the filter holds it, unless the route's body buffer is raised.
+#[test]
+fn envoy_gateway_example_serves_a_200_kb_prompt() {
+    if !have_envoy() {
+        return;
+    }
+    let (eep, epp) = (eg_extension_policy(), eg_patch_policy());
+    let boot = eg_bootstrap(&eep, &epp, &wasm_path());
+    let (status, routed, too_large) = serve_prompt(boot, EG_MODEL_CLUSTER, 200_000);
+    assert_eq!((status, routed, too_large), (Some(200), 1, 0));
+
+    let plain = without_patches(&epp, "jsonPatches", |p| p["type"] != ROUTE_TYPE);
+    let boot = eg_bootstrap(&eep, &plain, &wasm_path());
+    let (status, routed, too_large) = serve_prompt(boot, EG_MODEL_CLUSTER, 200_000);
+    assert_eq!((routed, too_large), (0, 1), "status {status:?}");
+    // The 413, unless Envoy reset the connection while the body was still being sent.
+    assert!(matches!(status, Some(413) | None), "{status:?}");
+}
+
+/// Istio's gateway listeners keep Envoy's 1 MiB per connection (unless the EDGE profile
+/// lowers it): a 1.5 MB prompt gets Envoy's 413 unless the virtual host's body buffer is
+/// raised.
+#[test]
+fn istio_example_serves_a_1_5_mb_prompt() {
+    if !have_envoy() {
+        return;
+    }
+    let clusters = istio_clusters();
+    let boot = istio_bootstrap(&istio_filter(), &clusters, &wasm_path());
+    let (status, routed, too_large) = serve_prompt(boot, ISTIO_MODEL_CLUSTER, 1_500_000);
+    assert_eq!((status, routed, too_large), (Some(200), 1, 0));
+
+    let plain = without_patches(&clusters, "configPatches", |p| {
+        p["applyTo"] != "VIRTUAL_HOST"
+    });
+    let boot = istio_bootstrap(&istio_filter(), &plain, &wasm_path());
+    let (status, routed, too_large) = serve_prompt(boot, ISTIO_MODEL_CLUSTER, 1_500_000);
+    assert_eq!((routed, too_large), (0, 1), "status {status:?}");
+    // The 413, unless Envoy reset the connection while the body was still being sent.
+    assert!(matches!(status, Some(413) | None), "{status:?}");
 }
