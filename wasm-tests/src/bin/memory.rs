@@ -244,7 +244,11 @@ async fn main() -> anyhow::Result<()> {
         lo * MAX_BLOCKS as u64
     );
     let (_, stats) = envoy.admin_get("/stats?filter=tokenaware")?;
-    for l in stats.lines().filter(|l| !l.ends_with(": 0")) {
+    let per_endpoint = |l: &str| l.contains("tokenaware_endpoint_");
+    for l in stats
+        .lines()
+        .filter(|l| !l.ends_with(": 0") && !per_endpoint(l))
+    {
         println!("  {l}");
     }
     tokio::time::sleep(FLUSH).await;
