@@ -755,7 +755,7 @@ mod tests {
     /// prompt stops matching from there. Filled to capacity (here twice over, so expired
     /// entries sit in the buckets too), the share of the blocks the LRU keeps that are no
     /// longer matched, against a headroom of 16 where no bucket overflows, is about 6 % at
-    /// 1.25, 3 % at 1.5, 1.2 % at 1.75, 0.3–0.9 % at 2 and under 0.1 % at 3
+    /// 1.25, 1.5–3 % at 1.5, 0.7–1.6 % at 1.75, 0.3–0.9 % at 2 and under 0.1 % at 3
     /// (`cargo run --release --example index_headroom`: 100 endpoints × 31,250 blocks,
     /// prompts of 32 to 2,048 blocks). 2 is the smallest that loses under 1 %; 3 would cost
     /// half as much memory again to recover that last half percent.
