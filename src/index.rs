@@ -27,7 +27,15 @@ use crate::store::{read_u32, read_u64, update, write_u32, write_u64, SharedStore
 pub const SEGMENT: usize = 16;
 /// Entries per bucket (one store value).
 pub const WAYS: usize = 8;
-const ENTRY: usize = 8 + 8 + 4 + 2 + 1 + 1 + 4 * (SEGMENT - 1);
+/// An entry: tag (u64, 0 when empty), epoch stamp (u32, see `stamp_of`), last touch (u32,
+/// seconds), endpoint slot (u16), a spare byte, segment length in blocks (u8), then 32-bit
+/// fingerprints of the segment's blocks after the first.
+const ENTRY: usize = 8 + 4 + 4 + 2 + 1 + 1 + 4 * (SEGMENT - 1);
+const STAMP_AT: usize = 8;
+const TOUCHED_AT: usize = 12;
+const SLOT_AT: usize = 16;
+const LEN_AT: usize = 19;
+const PRINTS_AT: usize = 20;
 /// Epochs in the per-endpoint histogram ring.
 const EPOCHS: usize = 64;
 /// The epoch advances after taking this share of the capacity: 1/32.
@@ -206,8 +214,9 @@ impl AffinityIndex {
         let tag = tag(seg.first().copied().unwrap_or(0), slot);
         let (v, _) = s.get(&self.bucket_key(tag % self.buckets))?;
         let v = v.unwrap_or_default();
-        Ok(find(&v, tag).and_then(|at| {
-            let e = entry(&v, at);
+        let v = ways(&v);
+        Ok(find(v, tag).and_then(|at| {
+            let e = entry(v, at);
             live(e, h).then(|| matching_blocks(e, seg))
         }))
     }
@@ -235,10 +244,13 @@ impl AffinityIndex {
             let t = tag(seg.first().copied().unwrap_or(0), slot);
             let (v, _) = s.get(&self.bucket_key(t % self.buckets))?;
             let v = v.unwrap_or_default();
-            let held = find(&v, t).map(|at| entry(&v, at)).filter(|e| live(e, h));
+            let v = ways(&v);
+            let held = find(v, t).map(|at| entry(v, at)).filter(|e| live(e, h));
             match held {
-                Some(e) if stamp_of(e) + 1 >= h.clock && matching_blocks(e, seg) == seg.len() => {}
-                Some(e) => touch.push((j, Some((stamp_of(e), len_of(e))))),
+                Some(e)
+                    if stamp_of(e, h.clock) + 1 >= h.clock
+                        && matching_blocks(e, seg) == seg.len() => {}
+                Some(e) => touch.push((j, Some((stamp_of(e, h.clock), len_of(e))))),
                 None => touch.push((j, None)),
             }
         }
@@ -317,7 +329,7 @@ impl AffinityIndex {
         let (v, _) = s.get(&self.bucket_key(bucket))?;
         let v = v.unwrap_or_default();
         for w in 0..WAYS {
-            let e = entry(&v, w * ENTRY);
+            let e = entry(ways(&v), w * ENTRY);
             let other = entry_slot(e);
             if read_u64(e, 0) != 0 && headers.iter().all(|(x, _)| *x != other) {
                 headers.push((other, self.header(s, other)?));
@@ -364,8 +376,8 @@ impl AffinityIndex {
     ) -> Result<(), StoreError> {
         for w in receipt.written.iter().rev() {
             update(s, &self.bucket_key(w.bucket), |old| {
-                let at = find(old, w.tag)?;
-                if read_u64(old, at + 8) != w.stamp {
+                let at = find(ways(old), w.tag)?;
+                if read_u32(old, at + STAMP_AT) != w.stamp as u32 {
                     return None;
                 }
                 let mut b = bucket_buf(old);
@@ -392,9 +404,9 @@ impl AffinityIndex {
             let (v, _) = s.get(&self.bucket_key(bucket))?;
             let v = v.unwrap_or_default();
             for w in 0..WAYS {
-                let e = entry(&v, w * ENTRY);
+                let e = entry(ways(&v), w * ENTRY);
                 if entry_slot(e) == slot && live(e, h) {
-                    n += u64::from(e.get(23).copied().unwrap_or(0));
+                    n += len_of(e);
                 }
             }
         }
@@ -468,12 +480,21 @@ fn note_head(b: &mut [u8], head: u64, epoch: u64) {
     write_u64(b, at(i) + 8, epoch);
 }
 
-/// A bucket value of the full size, whatever was stored (a foreign or short value reads as
-/// empty ways).
+/// A bucket value as stored, when it has this layout's size; else (a foreign value, or one
+/// an older build with another entry size left in the same process) no ways at all.
+fn ways(v: &[u8]) -> &[u8] {
+    if v.len() == WAYS * ENTRY {
+        v
+    } else {
+        &[]
+    }
+}
+
+/// A bucket value to write: the stored one, or empty ways (see `ways`).
 fn bucket_buf(old: &[u8]) -> Vec<u8> {
     let mut b = vec![0u8; WAYS * ENTRY];
-    let n = old.len().min(b.len());
-    b[..n].copy_from_slice(&old[..n]);
+    let old = ways(old);
+    b[..old.len()].copy_from_slice(old);
     b
 }
 
@@ -494,7 +515,7 @@ fn entry(b: &[u8], at: usize) -> &[u8] {
 }
 
 fn entry_slot(e: &[u8]) -> u16 {
-    e.get(20..22)
+    e.get(SLOT_AT..SLOT_AT + 2)
         .map(|s| u16::from_le_bytes([s[0], s[1]]))
         .unwrap_or(u16::MAX)
 }
@@ -513,12 +534,12 @@ fn victim(b: &[u8], headers: &[(u16, Header)]) -> usize {
         if read_u64(e, 0) == 0 {
             return (0, Reverse(0), 0);
         }
-        let touched = read_u32(e, 16);
+        let touched = read_u32(e, TOUCHED_AT);
         match headers.iter().find(|(x, _)| *x == entry_slot(e)) {
             Some((_, h)) if !live(e, *h) => (1, Reverse(0), touched),
             Some((_, h)) => {
                 let span = h.clock.saturating_sub(h.oldest) + 1;
-                let age = h.clock.saturating_sub(stamp_of(e));
+                let age = h.clock.saturating_sub(stamp_of(e, h.clock));
                 (2, Reverse(age.saturating_mul(1 << 16) / span), touched)
             }
             None => (3, Reverse(0), touched),
@@ -530,25 +551,29 @@ fn victim(b: &[u8], headers: &[(u16, Header)]) -> usize {
         .unwrap_or(0)
 }
 
-fn stamp_of(e: &[u8]) -> u64 {
-    read_u64(e, 8)
+/// The entry's epoch. Entries keep its low 32 bits; the rest comes from the endpoint's
+/// current epoch `clock`, exact for any stamp within 2^31 epochs of it (live ones are within
+/// `EPOCHS`), so nothing is lost against a full 64-bit stamp.
+fn stamp_of(e: &[u8], clock: u64) -> u64 {
+    let delta = read_u32(e, STAMP_AT).wrapping_sub(clock as u32) as i32;
+    clock.wrapping_add_signed(i64::from(delta))
 }
 
 fn len_of(e: &[u8]) -> u64 {
-    u64::from(e.get(23).copied().unwrap_or(0))
+    u64::from(e.get(LEN_AT).copied().unwrap_or(0))
 }
 
 /// The entry is set and stamped in one of its endpoint's live epochs.
 fn live(e: &[u8], h: Header) -> bool {
-    let stamp = stamp_of(e);
+    let stamp = stamp_of(e, h.clock);
     read_u64(e, 0) != 0 && stamp >= h.oldest && stamp <= h.clock && h.capacity > 0
 }
 
 /// Leading blocks of `seg` the entry holds: the head matched by the tag, then fingerprints.
 fn matching_blocks(e: &[u8], seg: &[u64]) -> usize {
-    let len = usize::from(e.get(23).copied().unwrap_or(0)).min(seg.len());
+    let len = usize::from(e.get(LEN_AT).copied().unwrap_or(0)).min(seg.len());
     let mut n = 1;
-    while n < len && read_u32(e, 24 + 4 * (n - 1)) == seg[n] as u32 {
+    while n < len && read_u32(e, PRINTS_AT + 4 * (n - 1)) == seg[n] as u32 {
         n += 1;
     }
     n.min(len.max(1))
@@ -557,16 +582,16 @@ fn matching_blocks(e: &[u8], seg: &[u64]) -> usize {
 fn fill_entry(e: &mut [u8], t: u64, stamp: u64, slot: u16, seg: &[u64], now_s: u32) {
     e.fill(0);
     write_u64(e, 0, t);
-    write_u64(e, 8, stamp);
-    write_u32(e, 16, now_s);
-    if let Some(s) = e.get_mut(20..22) {
+    write_u32(e, STAMP_AT, stamp as u32);
+    write_u32(e, TOUCHED_AT, now_s);
+    if let Some(s) = e.get_mut(SLOT_AT..SLOT_AT + 2) {
         s.copy_from_slice(&slot.to_le_bytes());
     }
-    if let Some(l) = e.get_mut(23) {
+    if let Some(l) = e.get_mut(LEN_AT) {
         *l = seg.len().min(SEGMENT) as u8;
     }
     for (i, h) in seg.iter().skip(1).enumerate() {
-        write_u32(e, 24 + 4 * i, *h as u32);
+        write_u32(e, PRINTS_AT + 4 * i, *h as u32);
     }
 }
 
@@ -692,6 +717,101 @@ mod tests {
                 .unwrap();
         }
         assert!(s.bytes() as u64 <= ix.max_bytes(4));
+    }
+
+    /// Blocks matched of the prompts the LRU keeps, after `endpoints` × `fill` capacities of
+    /// distinct `prompt`-block prompts sent round-robin: the blocks matched of each endpoint's
+    /// last prompts, more of them than its capacity holds.
+    fn kept_after_fill(
+        headroom: f64,
+        endpoints: u16,
+        cap: u64,
+        prompt: usize,
+        fill: u64,
+    ) -> Vec<usize> {
+        let s = MemStore::new();
+        let ix = AffinityIndex::new("t", cap * u64::from(endpoints), headroom);
+        for slot in 0..endpoints {
+            ix.set_capacity(&s, slot, cap).unwrap();
+        }
+        let rounds = (cap * fill).div_ceil(prompt as u64);
+        let n = rounds * u64::from(endpoints);
+        for k in 0..n {
+            ix.insert(&s, (k % u64::from(endpoints)) as u16, &chain(k, prompt), 0)
+                .unwrap();
+        }
+        // The last prompts of every endpoint: more than its capacity holds.
+        let look_back = (cap as usize).div_ceil(prompt) as u64 + 1;
+        (n - look_back * u64::from(endpoints)..n)
+            .map(|k| {
+                let slot = (k % u64::from(endpoints)) as u16;
+                ix.matched(&s, slot, &chain(k, prompt)).unwrap().blocks
+            })
+            .collect()
+    }
+
+    /// Why `indexHeadroom` defaults to 2: a bucket holds `WAYS` entries, and when more live
+    /// entries hash to it than that, the one nearest expiry is overwritten early and its
+    /// prompt stops matching from there. Filled to capacity (here twice over, so expired
+    /// entries sit in the buckets too), the share of the blocks the LRU keeps that are no
+    /// longer matched, against a headroom of 16 where no bucket overflows, is about 6 % at
+    /// 1.25, 1.5–3 % at 1.5, 0.7–1.6 % at 1.75, 0.3–0.9 % at 2 and under 0.1 % at 3
+    /// (`cargo run --release --example index_headroom`: 100 endpoints × 31,250 blocks,
+    /// prompts of 32 to 2,048 blocks). 2 is the smallest that loses under 1 %; 3 would cost
+    /// half as much memory again to recover that last half percent.
+    #[test]
+    fn default_headroom_loses_under_one_percent() {
+        let (endpoints, cap, prompt, fill) = (40, 3_125, 256, 2);
+        let want = kept_after_fill(16.0, endpoints, cap, prompt, fill);
+        let kept: usize = want.iter().sum();
+        assert!(kept as u64 >= u64::from(endpoints) * cap * 9 / 10, "{kept}");
+        let lost = |headroom: f64| {
+            let got = kept_after_fill(headroom, endpoints, cap, prompt, fill);
+            let held: usize = got.iter().zip(&want).map(|(g, w)| (*g).min(*w)).sum();
+            1.0 - held as f64 / kept as f64
+        };
+        let default = crate::config::Config::default().index_headroom;
+        assert!(lost(default) < 0.01, "{}", lost(default));
+        assert!(lost(1.5) > 0.01, "{}", lost(1.5));
+    }
+
+    #[test]
+    fn stamps_keep_their_epoch_across_32_bits() {
+        let mut e = vec![0u8; ENTRY];
+        for clock in [
+            0u64,
+            5,
+            70,
+            u64::from(u32::MAX) - 2,
+            u64::from(u32::MAX) + 40,
+            1 << 40,
+        ] {
+            for stamp in [
+                clock.saturating_sub(63),
+                clock.saturating_sub(1),
+                clock,
+                clock + 2,
+            ] {
+                fill_entry(&mut e, 1, stamp, 0, &[1, 2], 0);
+                assert_eq!(stamp_of(&e, clock), stamp, "clock {clock}");
+            }
+        }
+    }
+
+    #[test]
+    fn bucket_of_another_layout_reads_empty() {
+        let (ix, s) = index(10_000, 1);
+        let a = chain(1, 16);
+        ix.insert(&s, 0, &a, 0).unwrap();
+        let key = ix.bucket_key(tag(a[0], 0) % ix.buckets);
+        let (v, _) = s.get(&key).unwrap();
+        let mut longer = v.unwrap();
+        longer.extend_from_slice(&[0u8; 32]);
+        s.set(&key, &longer, None).unwrap();
+        assert_eq!(ix.matched(&s, 0, &a).unwrap().blocks, 0);
+        ix.insert(&s, 0, &a, 1).unwrap();
+        assert_eq!(ix.matched(&s, 0, &a).unwrap().blocks, 16);
+        assert_eq!(s.get(&key).unwrap().0.unwrap().len(), WAYS * ENTRY);
     }
 
     #[test]

@@ -57,6 +57,16 @@ pub enum MetricKind {
     Histogram,
 }
 
+/// One VM's linear memory, as the VM itself reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VmMemory {
+    /// Differs between VM instances and is the same for every root context in one instance
+    /// (a reconfiguration can start a second root in a VM that already has one).
+    pub instance: u64,
+    /// Pages × 64 KiB. Linear memory never shrinks, so this is the VM's high-water mark.
+    pub bytes: u64,
+}
+
 /// What the filter needs from its host. Header names are lowercase.
 pub trait Host: SharedStore {
     fn request_header(&self, name: &str) -> Result<Option<Vec<u8>>, HostError>;
@@ -97,4 +107,6 @@ pub trait Host: SharedStore {
     fn call_response_header(&self, name: &str) -> Result<Option<Vec<u8>>, HostError>;
     /// Inside the call-response callback: the first `len` bytes of the answer's body.
     fn call_response_body(&self, len: usize) -> Result<Vec<u8>, HostError>;
+    /// This VM's linear memory; `None` where there is none to read (native tests).
+    fn vm_memory(&self) -> Option<VmMemory>;
 }

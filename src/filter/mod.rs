@@ -1,10 +1,12 @@
 //! The filter's request and root logic over a small `Host` trait, with no proxy-wasm import:
 //! it builds and is unit-tested natively (`testing::FakeHost`), and `wasm` binds it to
 //! proxy-wasm. `http` is one stream, `root` the configuration and the poller tick, `vm` what
-//! one VM keeps between requests, `stats` the Envoy stats, `usage` reads response usage.
+//! one VM keeps between requests, `stats` the Envoy stats, `memory` the VMs' memory gauges, `usage` reads response
+//! usage.
 
 pub mod host;
 pub mod http;
+pub mod memory;
 pub mod root;
 pub mod stats;
 pub mod usage;
@@ -15,6 +17,6 @@ pub mod testing;
 #[cfg(test)]
 mod tests;
 
-pub use host::{Host, HostError, Level, MetricKind};
+pub use host::{Host, HostError, Level, MetricKind, VmMemory};
 pub use http::{Action, HttpFilter};
 pub use root::Root;

@@ -7,7 +7,8 @@
 //! cluster with `x-gateway-destination-endpoint: ip:port`, so override_host sends the poll to
 //! that one endpoint, at most one poll in flight per endpoint, and (c) publishes each
 //! endpoint's in-flight tokens as a gauge. The table goes to shared data as JSON with CAS;
-//! every VM re-reads it when its version changes (see `vm`).
+//! every VM re-reads it when its version changes (see `vm`). Every VM, poller or not, also
+//! records its own linear memory on each tick (see `memory`).
 //!
 //! Cold restarts. A restarted model server has an empty prefix cache, so its index entries
 //! must go. The poller takes a restart to have happened when the endpoint's prefix-cache
@@ -32,6 +33,7 @@ use std::rc::Rc;
 
 use super::host::{Host, Level, MetricKind};
 use super::http::DESTINATION;
+use super::memory;
 use super::stats::{endpoint_gauge_name, Counter};
 use super::vm::Vm;
 use crate::config::{Config, ConfigError};
@@ -190,6 +192,12 @@ impl Root {
 
     pub fn on_tick<H: Host>(&mut self, h: &H) {
         let Ok(now) = h.now_ms() else { return };
+        // Every VM, poller or not: its own linear memory into the process-wide gauges.
+        if let Some(me) = h.vm_memory() {
+            if let Ok(sum) = memory::record(h, &self.vm.keys.vms, me, now) {
+                self.vm.stats.vm_memory(h, sum);
+            }
+        }
         if !self.hold_lease(h, now) {
             return;
         }

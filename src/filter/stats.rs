@@ -1,9 +1,11 @@
 //! The filter's Envoy stats, defined once per VM. Envoy prefixes each name with
 //! `wasmcustom.` in admin `/stats` (Prometheus drops the prefix); counters add up across
-//! worker VMs, gauges are last-writer-wins. A metric that fails to define or update is
+//! worker VMs, gauges are last-writer-wins (so the VM memory gauges are summed through
+//! shared data first, see `memory`). A metric that fails to define or update is
 //! skipped: stats never fail a request.
 
 use super::host::{Host, MetricKind};
+use super::memory::Summary;
 use crate::policy::Reason;
 use crate::request::ParseError;
 
@@ -160,6 +162,13 @@ pub const HIT_RATIO: &str = "tokenaware_hit_ratio_pct";
 /// `bytesPerToken` is off for this traffic (100 = exact; 125 = the estimate is 20 % short).
 pub const TOKEN_ESTIMATE: &str = "tokenaware_prompt_tokens_per_100_estimated";
 
+/// Linear memory of this Envoy process's live filter VMs, summed (see `memory`).
+pub const VM_MEMORY: &str = "tokenaware_vm_memory_bytes";
+/// The largest one VM's linear memory.
+pub const VM_MEMORY_MAX: &str = "tokenaware_vm_memory_max_bytes";
+/// Live filter VMs in this Envoy process (workers and main thread).
+pub const VMS: &str = "tokenaware_vms";
+
 /// Name of the per-endpoint in-flight tokens gauge.
 pub fn endpoint_gauge_name(slot: u16) -> String {
     format!("tokenaware_endpoint_{slot}_inflight_tokens")
@@ -173,6 +182,8 @@ pub struct Stats {
     counters: [Option<u32>; Counter::ALL.len()],
     hit_ratio: Option<u32>,
     token_estimate: Option<u32>,
+    /// Gauges: VM memory summed, the largest VM's, VM count.
+    vm_memory: [Option<u32>; 3],
 }
 
 impl Stats {
@@ -199,7 +210,23 @@ impl Stats {
         }
         s.hit_ratio = h.define_metric(MetricKind::Histogram, HIT_RATIO).ok();
         s.token_estimate = h.define_metric(MetricKind::Histogram, TOKEN_ESTIMATE).ok();
+        for (slot, name) in s.vm_memory.iter_mut().zip([VM_MEMORY, VM_MEMORY_MAX, VMS]) {
+            *slot = h.define_metric(MetricKind::Gauge, name).ok();
+        }
         s
+    }
+
+    /// Sets the VM memory gauges.
+    pub fn vm_memory<H: Host + ?Sized>(&self, h: &H, m: Summary) {
+        for (id, v) in self
+            .vm_memory
+            .iter()
+            .zip([m.total_bytes, m.max_bytes, m.vms])
+        {
+            if let Some(id) = id {
+                let _ = h.record_metric(*id, v);
+            }
+        }
     }
 
     pub fn add<H: Host + ?Sized>(&self, h: &H, c: Counter, n: u64) {

@@ -4,7 +4,7 @@
 
 use std::cell::{Cell, RefCell};
 
-use super::host::{Host, HostError, Level, MetricKind};
+use super::host::{Host, HostError, Level, MetricKind, VmMemory};
 use crate::store::{Cas, MemStore, SharedStore, StoreError};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -40,6 +40,8 @@ pub struct FakeHost {
     pub headers_locked: Cell<bool>,
     /// Make every shared-data access fail.
     pub store_down: Cell<bool>,
+    /// What `vm_memory` answers (set it before each "VM"'s tick).
+    pub vm_memory: Cell<Option<VmMemory>>,
 }
 
 impl FakeHost {
@@ -294,5 +296,9 @@ impl Host for FakeHost {
     fn call_response_body(&self, len: usize) -> Result<Vec<u8>, HostError> {
         let b = self.call_body.borrow();
         Ok(b.get(..len.min(b.len())).unwrap_or_default().to_vec())
+    }
+
+    fn vm_memory(&self) -> Option<VmMemory> {
+        self.vm_memory.get()
     }
 }

@@ -403,6 +403,36 @@ fn invalid_config_names_the_field() {
 const METRICS: &str = r#","metrics":{"cluster":"models","intervalMs":100,"timeoutMs":50}"#;
 
 #[test]
+fn every_vm_reports_its_linear_memory_once() {
+    use super::host::VmMemory;
+    use super::stats::{VMS, VM_MEMORY, VM_MEMORY_MAX};
+    let h = FakeHost::new();
+    let (mut a, mut a2, mut b) = (root(&h, "", 1), root(&h, "", 2), root(&h, "", 3));
+    let mem = |instance: u64, mib: u64| {
+        Some(VmMemory {
+            instance,
+            bytes: mib << 20,
+        })
+    };
+    // Roots a and a2 live in one VM instance (a reconfiguration), b in another; only one
+    // of them holds the poller lease, all report.
+    h.vm_memory.set(mem(10, 2));
+    a.on_tick(&h);
+    a2.on_tick(&h);
+    h.vm_memory.set(mem(20, 3));
+    b.on_tick(&h);
+    assert_eq!(h.metric(VM_MEMORY), 5 << 20);
+    assert_eq!(h.metric(VM_MEMORY_MAX), 3 << 20);
+    assert_eq!(h.metric(VMS), 2);
+    // VM 20 is gone; VM 10 grew.
+    h.now.set(h.now.get() + 20_000);
+    h.vm_memory.set(mem(10, 4));
+    a.on_tick(&h);
+    assert_eq!(h.metric(VM_MEMORY), 4 << 20);
+    assert_eq!(h.metric(VMS), 1);
+}
+
+#[test]
 fn one_poller_per_process_and_polls_reach_each_endpoint() {
     let h = FakeHost::new();
     let mut a = root(&h, METRICS, 1);

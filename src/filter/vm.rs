@@ -25,6 +25,8 @@ pub struct Keys {
     pub lease: String,
     /// The newest plugin configuration: its hash and generation (see `root`).
     pub config: String,
+    /// Each live VM's linear memory (see `memory`).
+    pub vms: String,
 }
 
 impl Keys {
@@ -34,6 +36,7 @@ impl Keys {
             eps_version: format!("{namespace}/epsv"),
             lease: format!("{namespace}/lease"),
             config: format!("{namespace}/config"),
+            vms: format!("{namespace}/vms"),
         }
     }
 }

@@ -3,15 +3,33 @@
 //! for a call (e.g. `BadArgument` from a header write outside its phase); the filter only
 //! touches headers and bodies in the phases that own them.
 
+use std::sync::OnceLock;
 use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType, Status};
 
-use crate::filter::{Host, HostError, Level, MetricKind};
+use crate::filter::{Host, HostError, Level, MetricKind, VmMemory};
 use crate::store::{Cas, SharedStore, StoreError};
 
 pub struct WasmHost;
+
+/// Bytes per wasm page.
+const PAGE: u64 = 65_536;
+
+/// A random id for this VM instance, drawn once: statics are per instance, so every root
+/// context in the instance reads the same id.
+fn instance_id() -> u64 {
+    static ID: OnceLock<u64> = OnceLock::new();
+    *ID.get_or_init(|| {
+        let nanos = hostcalls::get_current_time()
+            .ok()
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_nanos());
+        std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), nanos)
+            .max(1)
+    })
+}
 
 fn err(s: Status) -> HostError {
     match s {
@@ -141,5 +159,13 @@ impl Host for WasmHost {
         hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, len)
             .map(Option::unwrap_or_default)
             .map_err(err)
+    }
+
+    fn vm_memory(&self) -> Option<VmMemory> {
+        let pages = core::arch::wasm32::memory_size::<0>() as u64;
+        Some(VmMemory {
+            instance: instance_id(),
+            bytes: pages.saturating_mul(PAGE),
+        })
     }
 }

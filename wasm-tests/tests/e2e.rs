@@ -607,6 +607,22 @@ async fn two_workers_share_the_tables() {
     assert_eq!(gw.stat("tokenaware_requests_routed"), 44);
     assert_eq!(gw.stat("tokenaware_requests_released"), 44);
     assert_eq!(gw.stat("tokenaware_release_errors"), 0);
+    // Each VM (both workers and the main thread) reports its linear memory on its tick, and
+    // the gauges show them summed once each.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while gw.stat("tokenaware_vms") < 3 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (vms, total, max) = (
+        gw.stat("tokenaware_vms"),
+        gw.stat("tokenaware_vm_memory_bytes"),
+        gw.stat("tokenaware_vm_memory_max_bytes"),
+    );
+    assert_eq!(vms, 3, "VMs reporting");
+    assert!(
+        max > 0 && max % 65_536 == 0 && total >= max && total <= vms * max,
+        "linear memory: total {total}, largest {max}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

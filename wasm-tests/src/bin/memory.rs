@@ -4,8 +4,10 @@
 //! blocks (31,250 index blocks; 3,125,000 in all). The tool
 //!
 //! 1. reads Envoy's memory (VmRSS from `/proc/PID/status`; `server.memory_allocated` and
-//!    `server.memory_heap_size` from admin `/stats`) after a few warm-up requests, and the
-//!    same of a plain Envoy (no filter) with the same endpoints, for the filter's baseline;
+//!    `server.memory_heap_size` from admin `/stats`, and the filter VMs' own linear memory
+//!    from the filter's `tokenaware_vm_memory_bytes` / `_max_bytes` / `tokenaware_vms`
+//!    gauges) after a few warm-up requests, and the same of a plain Envoy (no filter) with
+//!    the same endpoints, for the filter's baseline;
 //! 2. fills the index: distinct completions prompts of 2,048 blocks (the most the filter
 //!    hashes), `--fill` times the fleet's total capacity in blocks, and reads memory again;
 //!    the access log tells how many of them each endpoint got (at least its capacity);
@@ -69,6 +71,8 @@ struct Sample {
     hwm_kib: u64,
     allocated: i64,
     heap: i64,
+    /// The filter VMs' linear memory, summed and largest, and how many VMs (None: plain).
+    vm: Option<(i64, i64, i64)>,
 }
 
 fn mib(bytes: f64) -> f64 {
@@ -89,12 +93,29 @@ fn sample(e: &Envoy) -> anyhow::Result<Sample> {
         hwm_kib: status_kib(e.pid(), "VmHWM:")?,
         allocated: e.stat("server.memory_allocated")?.unwrap_or(-1),
         heap: e.stat("server.memory_heap_size")?.unwrap_or(-1),
+        vm: match e.stat("wasmcustom.tokenaware_vm_memory_bytes")? {
+            Some(total) => Some((
+                total,
+                e.stat("wasmcustom.tokenaware_vm_memory_max_bytes")?
+                    .unwrap_or(-1),
+                e.stat("wasmcustom.tokenaware_vms")?.unwrap_or(-1),
+            )),
+            None => None,
+        },
     })
 }
 
 fn show(label: &str, s: Sample) {
+    let vm = match s.vm {
+        Some((total, max, n)) => format!(
+            " | VMs' linear memory {:5.1} MiB ({n} VMs, largest {:.1} MiB)",
+            mib(total as f64),
+            mib(max as f64)
+        ),
+        None => String::new(),
+    };
     println!(
-        "{label:<28} RSS {:7.1} MiB (peak {:7.1}) | memory_allocated {:7.1} MiB | heap_size {:7.1} MiB",
+        "{label:<28} RSS {:7.1} MiB (peak {:7.1}) | memory_allocated {:7.1} MiB | heap_size {:7.1} MiB{vm}",
         s.rss_kib as f64 / 1024.0,
         s.hwm_kib as f64 / 1024.0,
         mib(s.allocated as f64),
@@ -163,7 +184,8 @@ async fn main() -> anyhow::Result<()> {
     }
     // Envoy refreshes its server.memory_* gauges on the stats flush (every 5 s).
     tokio::time::sleep(FLUSH).await;
-    show("plain Envoy, same endpoints", sample(&plain)?);
+    let base = sample(&plain)?;
+    show("plain Envoy, same endpoints", base);
     drop(plain);
     let before = sample(&envoy)?;
     show("filter, after start", before);
@@ -222,7 +244,11 @@ async fn main() -> anyhow::Result<()> {
         lo * MAX_BLOCKS as u64
     );
     let (_, stats) = envoy.admin_get("/stats?filter=tokenaware")?;
-    for l in stats.lines().filter(|l| !l.ends_with(": 0")) {
+    let per_endpoint = |l: &str| l.contains("tokenaware_endpoint_");
+    for l in stats
+        .lines()
+        .filter(|l| !l.ends_with(": 0") && !per_endpoint(l))
+    {
         println!("  {l}");
     }
     tokio::time::sleep(FLUSH).await;
@@ -233,6 +259,15 @@ async fn main() -> anyhow::Result<()> {
         (full.rss_kib as f64 - before.rss_kib as f64) / 1024.0,
         mib((full.allocated - before.allocated) as f64),
         mib((full.heap - before.heap) as f64)
+    );
+    let over_plain = mib((full.allocated - base.allocated) as f64);
+    let vms = full.vm.map_or(0.0, |(total, _, _)| mib(total as f64));
+    println!(
+        "filter - plain, index full: RSS {:+.1} MiB, memory_allocated {over_plain:+.1} MiB \
+         (shared data and the filter's other Envoy-side allocations); with the VMs' linear \
+         memory ({vms:.1} MiB): {:.1} MiB",
+        (full.rss_kib as f64 - base.rss_kib as f64) / 1024.0,
+        over_plain + vms
     );
 
     if args.soak_secs == 0 {
