@@ -308,6 +308,20 @@ pub enum CacheCheck {
     Missed,
 }
 
+/// Whether the server's `cached_tokens` bore out the index's predicted hit. A prediction of
+/// under two blocks is noise in block rounding, not a claim; under half of it came back
+/// cached is a miss (the server evicted more than the index assumed).
+pub fn cache_check(predicted_cached: u64, reported_cached: u64, block_tokens: u64) -> CacheCheck {
+    if predicted_cached < 2 * block_tokens.max(1) {
+        return CacheCheck::NotPredicted;
+    }
+    if (reported_cached as f64) < 0.5 * predicted_cached as f64 {
+        CacheCheck::Missed
+    } else {
+        CacheCheck::Held
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Estimator {
     prefix: String,
@@ -374,16 +388,11 @@ impl Estimator {
         reported_cached: u64,
         block_tokens: u64,
     ) -> Result<(CacheCheck, Option<f64>), StoreError> {
-        // A prediction of under two blocks is noise in block rounding, not a claim.
-        if predicted_cached < 2 * block_tokens.max(1) {
-            return Ok((CacheCheck::NotPredicted, None));
+        let check = cache_check(predicted_cached, reported_cached, block_tokens);
+        if check == CacheCheck::NotPredicted {
+            return Ok((check, None));
         }
-        let missed = (reported_cached as f64) < 0.5 * predicted_cached as f64;
-        let check = if missed {
-            CacheCheck::Missed
-        } else {
-            CacheCheck::Held
-        };
+        let missed = check == CacheCheck::Missed;
         let out = update(s, &self.key(slot), |old| {
             let mut r = Record::decode(old, self.prior_rate);
             let before = r.capacity_share;

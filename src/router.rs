@@ -5,7 +5,7 @@
 
 use crate::config::{Config, TtftSource};
 use crate::endpoints::Endpoint;
-use crate::estimator::{CacheCheck, Estimate, Estimator, TtftSample};
+use crate::estimator::{cache_check, CacheCheck, Estimate, Estimator, TtftSample};
 use crate::index::{AffinityIndex, InsertReceipt};
 use crate::ledger::{blend, Charge, Load, LoadLedger};
 use crate::policy::{self, Ask, Candidate, Decision, Params, Policy};
@@ -360,7 +360,8 @@ impl Router {
         r.first_byte_seen = true;
         let released = self.ledger.release_prefill(s, &mut r.charge);
         let mut sampled = Ok(());
-        if r.ttft_sample {
+        // Without learning nothing reads the estimates: no store work for them.
+        if r.ttft_sample && self.cfg.learns() {
             let sample = TtftSample {
                 dispatch_ms: r.dispatch_ms,
                 first_byte_ms: now_ms,
@@ -386,20 +387,23 @@ impl Router {
         prompt_tokens: u64,
         cached_tokens: Option<u64>,
     ) -> Result<CacheCheck, StoreError> {
+        let predicted = r.tokens.saturating_sub(r.uncached);
+        let block_tokens = u64::from(self.cfg.block_size_tokens);
+        if !self.cfg.learns() {
+            // The check still counts in the stats; only learning needs the shared estimates.
+            return Ok(cached_tokens.map_or(CacheCheck::NotPredicted, |c| {
+                cache_check(predicted, c, block_tokens)
+            }));
+        }
         self.estimator
             .observe_bytes_per_token(s, model, prompt_bytes, prompt_tokens)?;
         let Some(cached) = cached_tokens else {
             return Ok(CacheCheck::NotPredicted);
         };
-        let predicted = r.tokens.saturating_sub(r.uncached);
-        let (check, share) = self.estimator.observe_cache(
-            s,
-            r.charge.slot,
-            predicted,
-            cached,
-            u64::from(self.cfg.block_size_tokens),
-        )?;
-        if let (Some(share), true) = (share, self.cfg.learns()) {
+        let (check, share) =
+            self.estimator
+                .observe_cache(s, r.charge.slot, predicted, cached, block_tokens)?;
+        if let Some(share) = share {
             let blocks = ((r.capacity_blocks as f64 * share) as u64).max(1);
             self.index.set_capacity(s, r.charge.slot, blocks)?;
         }

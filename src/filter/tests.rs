@@ -935,3 +935,26 @@ fn streamed_first_bytes_and_usage_feed_the_estimates() {
         "2,700 served tokens for ~8 KB teach < 4 bytes/token: {bpt}"
     );
 }
+
+#[test]
+fn without_learning_the_estimates_cost_no_shared_data() {
+    let h = FakeHost::new();
+    let vm = vm(&h, "");
+    answer(&h, &vm, true, 300);
+    let keys = h.store.len();
+    for _ in 0..3 {
+        answer(&h, &vm, true, 300);
+    }
+    // The same keys as after the first request: no estimate record was created.
+    assert_eq!(h.store.len(), keys);
+    let r = vm.router.borrow();
+    for e in &vm.table(&h).endpoints {
+        assert_eq!(r.estimator.read(&h, e.slot).unwrap().total, 0);
+    }
+    assert_eq!(
+        r.estimator.bytes_per_token(&h, "m").unwrap(),
+        r.cfg.bytes_per_token
+    );
+    drop(r);
+    assert_ledger_zero(&h, &vm);
+}
