@@ -42,6 +42,9 @@ pub struct FakeHost {
     pub store_down: Cell<bool>,
     /// What `vm_memory` answers (set it before each "VM"'s tick).
     pub vm_memory: Cell<Option<VmMemory>>,
+    /// Shared-data reads and writes made (each one a hostcall in Envoy).
+    pub store_reads: Cell<u64>,
+    pub store_writes: Cell<u64>,
 }
 
 impl FakeHost {
@@ -155,6 +158,7 @@ impl FakeHost {
 
 impl SharedStore for FakeHost {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<Cas>), StoreError> {
+        self.store_reads.set(self.store_reads.get() + 1);
         if self.store_down.get() {
             return Err(StoreError::Host);
         }
@@ -162,6 +166,7 @@ impl SharedStore for FakeHost {
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
+        self.store_writes.set(self.store_writes.get() + 1);
         if self.store_down.get() {
             return Err(StoreError::Host);
         }
