@@ -118,6 +118,12 @@ impl AffinityIndex {
         format!("{}b{bucket:x}", self.prefix)
     }
 
+    /// A bucket's ways as stored (see `ways`).
+    fn bucket<S: SharedStore + ?Sized>(&self, s: &S, bucket: u64) -> Result<Vec<u8>, StoreError> {
+        let (v, _) = s.get(&self.bucket_key(bucket))?;
+        Ok(v.filter(|v| ways(v).len() == v.len()).unwrap_or_default())
+    }
+
     fn header<S: SharedStore + ?Sized>(&self, s: &S, slot: u16) -> Result<Header, StoreError> {
         let (v, _) = s.get(&self.header_key(slot))?;
         let v = v.unwrap_or_default();
@@ -213,11 +219,9 @@ impl AffinityIndex {
     ) -> Result<Option<usize>, StoreError> {
         let seg = segment(chain, j);
         let tag = tag(seg.first().copied().unwrap_or(0), slot);
-        let (v, _) = s.get(&self.bucket_key(tag % self.buckets))?;
-        let v = v.unwrap_or_default();
-        let v = ways(&v);
-        Ok(find(v, tag).and_then(|at| {
-            let e = entry(v, at);
+        let v = self.bucket(s, tag % self.buckets)?;
+        Ok(find(&v, tag).and_then(|at| {
+            let e = entry(&v, at);
             live(e, h).then(|| matching_blocks(e, seg))
         }))
     }
@@ -243,10 +247,8 @@ impl AffinityIndex {
         for j in 0..chain.len().div_ceil(SEGMENT) {
             let seg = segment(chain, j);
             let t = tag(seg.first().copied().unwrap_or(0), slot);
-            let (v, _) = s.get(&self.bucket_key(t % self.buckets))?;
-            let v = v.unwrap_or_default();
-            let v = ways(&v);
-            let held = find(v, t).map(|at| entry(v, at)).filter(|e| live(e, h));
+            let v = self.bucket(s, t % self.buckets)?;
+            let held = find(&v, t).map(|at| entry(&v, at)).filter(|e| live(e, h));
             match held {
                 Some(e)
                     if stamp_of(e, h.clock) + 1 >= h.clock
@@ -327,10 +329,9 @@ impl AffinityIndex {
         bucket: u64,
         headers: &mut Vec<(u16, Header)>,
     ) -> Result<(), StoreError> {
-        let (v, _) = s.get(&self.bucket_key(bucket))?;
-        let v = v.unwrap_or_default();
+        let v = self.bucket(s, bucket)?;
         for w in 0..WAYS {
-            let e = entry(ways(&v), w * ENTRY);
+            let e = entry(&v, w * ENTRY);
             let other = entry_slot(e);
             if read_u64(e, 0) != 0 && headers.iter().all(|(x, _)| *x != other) {
                 headers.push((other, self.header(s, other)?));
@@ -402,10 +403,9 @@ impl AffinityIndex {
         let h = self.header(s, slot)?;
         let mut n = 0;
         for bucket in 0..self.buckets {
-            let (v, _) = s.get(&self.bucket_key(bucket))?;
-            let v = v.unwrap_or_default();
+            let v = self.bucket(s, bucket)?;
             for w in 0..WAYS {
-                let e = entry(ways(&v), w * ENTRY);
+                let e = entry(&v, w * ENTRY);
                 if entry_slot(e) == slot && live(e, h) {
                     n += len_of(e);
                 }
@@ -572,7 +572,7 @@ fn live(e: &[u8], h: Header) -> bool {
 
 /// Leading blocks of `seg` the entry holds: the head matched by the tag, then fingerprints.
 fn matching_blocks(e: &[u8], seg: &[u64]) -> usize {
-    let len = usize::from(e.get(LEN_AT).copied().unwrap_or(0)).min(seg.len());
+    let len = (len_of(e) as usize).min(seg.len());
     let mut n = 1;
     while n < len && read_u32(e, PRINTS_AT + 4 * (n - 1)) == seg[n] as u32 {
         n += 1;
