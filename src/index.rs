@@ -17,7 +17,13 @@
 //! Every read or write is one fixed-size value in the store.
 //!
 //! Refresh. A segment already stamped in the current or previous epoch is not rewritten, so a
-//! hot prefix costs reads, not writes.
+//! hot prefix costs reads, not writes; only its head record's last use (below) is written, at
+//! most once a second.
+//!
+//! Head records. Each endpoint's header also keeps its 16 most recent prefixes (first-block
+//! hash, epoch, last use in seconds). Ranked by last use they are a whole-prompt LRU view that
+//! does not count the prompts' unique tails: which prompts a server that evicts whole prefixes
+//! still holds, and what a new one would push out (`Match::rank`, `Match::victim_used_s`).
 
 use std::cmp::Reverse;
 
@@ -41,7 +47,8 @@ const PRINTS_AT: usize = 20;
 const EPOCHS: usize = 64;
 /// The epoch advances after taking this share of the capacity: 1/32.
 const EPOCH_SHARE: u64 = 32;
-/// Heads (first-block hashes) of the prefixes most recently stamped per endpoint.
+/// Heads (first-block hashes) of the prefixes most recently stamped per endpoint, each with
+/// the low 32 bits of its epoch and its last use (seconds).
 const HEADS: usize = 16;
 const COUNTS_AT: usize = 16;
 const HEADS_AT: usize = COUNTS_AT + 4 * EPOCHS;
@@ -64,17 +71,23 @@ pub struct InsertReceipt {
     pub written: Vec<Written>,
 }
 
-/// An endpoint's view: matched blocks, its current epoch, capacity and distinct prefixes.
+/// An endpoint's view: matched blocks, its current epoch and capacity, what it holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Match {
     pub blocks: usize,
     pub clock: u64,
     pub capacity: u64,
-    /// Distinct prefixes (by first block) the endpoint is believed to hold.
-    pub heads: u32,
     /// The prompt's first block is among the endpoint's recent prefix heads, live or not: a
     /// prefix the index has aged out may still sit in the server's cache.
     pub recalled: bool,
+    /// Blocks the endpoint is believed to hold (at most `capacity`).
+    pub held: u64,
+    /// Whole-prompt LRU view from the head records: this prompt's rank by last use among the
+    /// endpoint's recent prefixes (0 = most recent), if it is among them ...
+    pub rank: Option<u32>,
+    /// ... and the last use of the prefix at the rank a new prompt of this size pushes out
+    /// (`capacity / prompt blocks` prompts fit), if the records reach that deep.
+    pub victim_used_s: Option<u32>,
 }
 
 #[derive(Debug, Clone)]
@@ -90,7 +103,7 @@ struct Header {
     capacity: u64,
     /// Oldest live epoch.
     oldest: u64,
-    heads: u32,
+    held: u64,
 }
 
 impl AffinityIndex {
@@ -182,12 +195,16 @@ impl AffinityIndex {
             blocks: 0,
             clock: h.clock,
             capacity: h.capacity,
-            heads: h.heads,
             recalled: chain.first().is_some_and(|&head| recalls(&v, head)),
+            held: h.held,
+            rank: None,
+            victim_used_s: None,
         };
         if chain.is_empty() || h.capacity == 0 {
             return Ok(m);
         }
+        let fit = (h.capacity / chain.len() as u64).max(1) as usize;
+        (m.rank, m.victim_used_s) = recency(&v, chain[0], fit);
         let segments = chain.len().div_ceil(SEGMENT);
         // Largest j whose segment is held: binary search over [lo, hi).
         let (mut lo, mut hi) = (0usize, segments);
@@ -257,6 +274,11 @@ impl AffinityIndex {
                 None => touch.push((j, None)),
             }
         }
+        let head = chain.first().copied().unwrap_or(0);
+        if touch.first().map(|t| t.0) != Some(0) {
+            // A warm hit writes no entry; its prefix's last use still moves, once a second.
+            self.note_use(s, slot, head, now_s)?;
+        }
         if touch.is_empty() {
             return Ok(receipt);
         }
@@ -264,10 +286,8 @@ impl AffinityIndex {
             .iter()
             .map(|&(j, old)| (segment(chain, j).len() as u64, old))
             .collect();
-        let head = (touch.first().map(|t| t.0) == Some(0))
-            .then(|| chain.first().copied())
-            .flatten();
-        let stamp = self.count_touches(s, slot, &moves, head)?;
+        let head = (touch.first().map(|t| t.0) == Some(0)).then_some(head);
+        let stamp = self.count_touches(s, slot, &moves, head, now_s)?;
         let mut headers = vec![(
             slot,
             Header {
@@ -295,6 +315,7 @@ impl AffinityIndex {
         slot: u16,
         moves: &[(u64, Option<(u64, u64)>)],
         head: Option<u64>,
+        now_s: u32,
     ) -> Result<u64, StoreError> {
         let stamp = update(s, &self.header_key(slot), |old| {
             let mut b = header_buf(old);
@@ -308,7 +329,7 @@ impl AffinityIndex {
                 add_count(&mut b, epoch, len as i64);
             }
             if let Some(h) = head {
-                note_head(&mut b, h, epoch);
+                note_head(&mut b, h, epoch, now_s);
             }
             let cap = read_u64(&b, 8);
             if u64::from(count(&b, epoch)) >= (cap / EPOCH_SHARE).max(1) {
@@ -319,6 +340,26 @@ impl AffinityIndex {
             Some((b, epoch))
         })?;
         Ok(stamp.unwrap_or(0))
+    }
+
+    /// Moves the last use of a held prefix to `now_s`, when it is a second or more behind.
+    fn note_use<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        head: u64,
+        now_s: u32,
+    ) -> Result<(), StoreError> {
+        update(s, &self.header_key(slot), |old| {
+            if head_used(old, head).is_some_and(|t| t >= now_s) {
+                return None;
+            }
+            let mut b = header_buf(old);
+            let epoch = read_u64(&b, 0);
+            note_head(&mut b, head, epoch, now_s);
+            Some((b, ()))
+        })
+        .map(|_| ())
     }
 
     /// Headers of the endpoints whose entries share a bucket, so eviction can prefer expired
@@ -444,41 +485,71 @@ fn parse_header(b: &[u8]) -> Header {
     let mut held = 0u64;
     for k in 0..EPOCHS as u64 {
         let Some(e) = clock.checked_sub(k) else { break };
-        held += u64::from(count(b, e));
-        if held > capacity && k > 0 {
+        let with = held + u64::from(count(b, e));
+        if with > capacity && k > 0 {
             break;
         }
-        oldest = e;
+        (held, oldest) = (with, e);
     }
-    let mut h = Header {
+    Header {
         clock,
         capacity,
         oldest,
-        heads: 0,
-    };
-    h.heads = (0..HEADS)
-        .filter(|&i| {
-            let at = HEADS_AT + 16 * i;
-            let stamp = read_u64(b, at + 8);
-            read_u64(b, at) != 0 && stamp >= h.oldest && stamp <= h.clock
-        })
-        .count() as u32;
-    h
+        held: held.min(capacity),
+    }
+}
+
+fn head_at(i: usize) -> usize {
+    HEADS_AT + 16 * i
+}
+
+/// A head record's epoch, rebuilt from its low 32 bits as `stamp_of` does for entries.
+fn head_epoch(b: &[u8], i: usize, clock: u64) -> u64 {
+    let delta = read_u32(b, head_at(i) + 8).wrapping_sub(clock as u32) as i32;
+    clock.wrapping_add_signed(i64::from(delta))
+}
+
+/// `head`'s rank among the head records by last use (then epoch), newest first, and the
+/// last use of the record at rank `fit - 1`. On the stack: this runs for every endpoint of
+/// every decision.
+fn recency(b: &[u8], head: u64, fit: usize) -> (Option<u32>, Option<u32>) {
+    let mut order = [(0u32, 0u32, 0u64); HEADS];
+    let mut n = 0;
+    for i in 0..HEADS {
+        let h = read_u64(b, head_at(i));
+        if h != 0 {
+            order[n] = (read_u32(b, head_at(i) + 12), read_u32(b, head_at(i) + 8), h);
+            n += 1;
+        }
+    }
+    let order = &mut order[..n];
+    order.sort_unstable_by(|x, y| y.cmp(x));
+    let rank = order.iter().position(|r| r.2 == head).map(|r| r as u32);
+    (rank, order.get(fit - 1).map(|r| r.0))
 }
 
 fn recalls(b: &[u8], head: u64) -> bool {
-    (0..HEADS).any(|i| read_u64(b, HEADS_AT + 16 * i) == head)
+    (0..HEADS).any(|i| read_u64(b, head_at(i)) == head)
 }
 
-/// Records that prefix `head` was stamped in `epoch`: its own record, else the oldest.
-fn note_head(b: &mut [u8], head: u64, epoch: u64) {
-    let at = |i: usize| HEADS_AT + 16 * i;
+/// Records that prefix `head` was stamped in `epoch` and used at `now_s`: its own record,
+/// else an empty one, else the one stamped longest ago.
+fn note_head(b: &mut [u8], head: u64, epoch: u64, now_s: u32) {
     let i = (0..HEADS)
-        .find(|&i| read_u64(b, at(i)) == head)
-        .or_else(|| (0..HEADS).min_by_key(|&i| read_u64(b, at(i) + 8)))
+        .find(|&i| read_u64(b, head_at(i)) == head)
+        .or_else(|| (0..HEADS).find(|&i| read_u64(b, head_at(i)) == 0))
+        .or_else(|| (0..HEADS).min_by_key(|&i| head_epoch(b, i, epoch)))
         .unwrap_or(0);
-    write_u64(b, at(i), head);
-    write_u64(b, at(i) + 8, epoch);
+    write_u64(b, head_at(i), head);
+    write_u32(b, head_at(i) + 8, epoch as u32);
+    write_u32(b, head_at(i) + 12, now_s);
+}
+
+/// The last use of `head` as its record has it, if it has one.
+fn head_used(b: &[u8], head: u64) -> Option<u32> {
+    (0..HEADS)
+        .find(|&i| read_u64(b, head_at(i)) == head)
+        .map(|i| read_u32(b, head_at(i) + 12))
 }
 
 /// A bucket value as stored, when it has this layout's size; else (a foreign value, or one
@@ -650,6 +721,40 @@ mod tests {
     }
 
     #[test]
+    fn recency_ranks_whole_prompts_by_last_use() {
+        // Room for four 80-block prompts.
+        let (ix, s) = index(320, 1);
+        let p: Vec<Vec<u64>> = (0..6).map(|i| chain(i + 30, 80)).collect();
+        for (t, q) in p.iter().enumerate().take(4) {
+            ix.insert(&s, 0, q, t as u32 * 10).unwrap();
+        }
+        // p0 used again at 50 s: a warm hit, which only moves its last use.
+        let before = s.get(&ix.header_key(0)).unwrap().1;
+        ix.insert(&s, 0, &p[0], 50).unwrap();
+        let m = ix.matched(&s, 0, &p[0]).unwrap();
+        assert_eq!(m.rank, Some(0));
+        assert_ne!(s.get(&ix.header_key(0)).unwrap().1, before);
+        // ... at most once a second.
+        let again = s.get(&ix.header_key(0)).unwrap().1;
+        ix.insert(&s, 0, &p[0], 50).unwrap();
+        assert_eq!(s.get(&ix.header_key(0)).unwrap().1, again);
+        // By last use: p0 (50 s), p3, p2, p1 (10 s): a new prompt would push out p1.
+        assert_eq!(ix.matched(&s, 0, &p[1]).unwrap().rank, Some(3));
+        assert_eq!(ix.matched(&s, 0, &p[4]).unwrap().rank, None);
+        assert_eq!(ix.matched(&s, 0, &p[4]).unwrap().victim_used_s, Some(10));
+        // A prompt half the size fits eight times: the records do not reach that deep.
+        assert_eq!(ix.matched(&s, 0, &p[4][..40]).unwrap().victim_used_s, None);
+        // p4 and p5 arrive: p1 and p2 are out of the four most recent.
+        ix.insert(&s, 0, &p[4], 60).unwrap();
+        ix.insert(&s, 0, &p[5], 70).unwrap();
+        let rank = |q: &[u64]| ix.matched(&s, 0, q).unwrap().rank;
+        assert_eq!(
+            (rank(&p[5]), rank(&p[0]), rank(&p[1])),
+            (Some(0), Some(2), Some(5))
+        );
+    }
+
+    #[test]
     fn eviction_leaves_no_holes() {
         let (ix, s) = index(240, 1);
         let a = chain(1, 160);
@@ -676,7 +781,7 @@ mod tests {
         for p in [&a, &b, &c] {
             assert_eq!(ix.matched(&s, 0, p).unwrap().blocks, 160);
         }
-        assert_eq!(ix.matched(&s, 0, &a).unwrap().heads, 3);
+        assert_eq!(ix.matched(&s, 0, &b).unwrap().held, 480);
     }
 
     #[test]

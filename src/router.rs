@@ -276,9 +276,14 @@ impl Router {
                     load: raw,
                     clock: m.clock,
                     capacity: m.capacity,
-                    heads: m.heads,
                     work_per_s,
                     recalled: m.recalled,
+                    held: m.held,
+                    victim_idle_s: m
+                        .victim_used_s
+                        .map(|t| ((now_ms / 1000) as u32).saturating_sub(t)),
+                    rank: m.rank,
+                    fit: (m.capacity / chain.hashes.len().max(1) as u64) as u32,
                     speed: 1.0,
                 };
                 Ok(((c, est), raw))
@@ -581,7 +586,8 @@ mod tests {
 
     #[test]
     fn small_tau_spills() {
-        let (mut r, t, s) = router(r#","tau":1000"#);
+        // tokenaware holds τ to at least four prompts' worth; the policy it refines does not.
+        let (mut r, t, s) = router(r#","tau":1000,"policy":"sticky-until-saturated""#);
         let sys = "shared ".repeat(4_000);
         let picks: std::collections::HashSet<String> = (0..10)
             .map(|q| {

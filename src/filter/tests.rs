@@ -952,8 +952,9 @@ fn without_learning_the_estimates_cost_no_shared_data() {
     answer(&h, &vm, true, 300);
     let (reads, writes) = (h.store_reads.get() - reads, h.store_writes.get() - writes);
     // The table version, each endpoint's index header, ledger and a bucket or two, and the
-    // charge, first byte and end as one CAS each (a hot prefix is not rewritten).
-    assert!(reads <= 16 && writes <= 3, "{reads} reads, {writes} writes");
+    // charge, first byte and end as one CAS each (a hot prefix is not rewritten; its last use
+    // is, at most once a second, and these requests are a second apart).
+    assert!(reads <= 16 && writes <= 4, "{reads} reads, {writes} writes");
     let r = vm.router.borrow();
     for e in &vm.table(&h).endpoints {
         assert_eq!(r.estimator.read(&h, e.slot).unwrap().total, 0);

@@ -35,12 +35,19 @@ pub struct Candidate {
     pub clock: u64,
     /// KV capacity in blocks.
     pub capacity: u64,
-    /// Distinct prefixes the endpoint is believed to hold.
-    pub heads: u32,
     /// Uncached tokens sent to it per second, recently (its prefill utilisation × R_peak).
     pub work_per_s: u64,
     /// It held this prompt's prefix recently, though the index has aged it out.
     pub recalled: bool,
+    /// Blocks it is believed to hold (at most `capacity`).
+    pub held: u64,
+    /// Seconds since its least recently used prefix was last used: what a new prefix
+    /// evicts there once it is full. `None` when it holds no prefix the index knows of.
+    pub victim_idle_s: Option<u32>,
+    /// This prompt's rank by last use among the endpoint's recent prefixes.
+    pub rank: Option<u32>,
+    /// Prompts of this size the endpoint's cache holds.
+    pub fit: u32,
     /// Learned prefill rate over the configured one (1 without learning): this request's
     /// uncached tokens cost `1 / speed` reference tokens each there.
     pub speed: f64,
@@ -65,9 +72,12 @@ impl Default for Candidate {
             load: Load::default(),
             clock: 0,
             capacity: 0,
-            heads: 0,
             work_per_s: 0,
             recalled: false,
+            held: 0,
+            victim_idle_s: None,
+            rank: None,
+            fit: 0,
             speed: 1.0,
         }
     }

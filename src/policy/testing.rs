@@ -40,7 +40,10 @@ pub fn fleet(spec: &[(usize, u64)]) -> Vec<Candidate> {
             recalled: false,
             clock: 0,
             capacity: 1_000,
-            heads: 0,
+            held: 0,
+            victim_idle_s: None,
+            rank: None,
+            fit: 0,
             speed: 1.0,
         })
         .collect()

@@ -1,15 +1,22 @@
-//! tokenaware: sticky until saturated, with three changes that remove its two failures in
-//! the seeds' simulation (a cliff when τ is low, and cold fills when the whole fleet is short
-//! of capacity).
+//! tokenaware: sticky until saturated, with four changes that remove its failures in the
+//! seeds' simulation (a cliff when τ is low, long queues when τ is high, repeated cold fills
+//! while the caches hold the working set, and cold fills when the whole fleet is short of
+//! capacity).
 //!
+//! - τ is bounded by the prompt's own prefill: at least `TAU_MIN_PROMPTS` and at most
+//!   `TAU_MAX_PROMPTS` prompts' worth of tokens. A spill costs a cold fill here and the
+//!   refill of whatever it evicts, so it never pays for a queue of a prompt or two; a queue of
+//!   many prompts costs more than building a second replica does.
 //! - Spills of one prefix go to a stable secondary: the rendezvous winner, keyed by the
-//!   deepest block the warm endpoint holds, among the endpoints whose cost is within half a τ
-//!   of the cheapest. Repeated spills build a second warm replica instead of cold-filling a
+//!   deepest block the warm endpoint holds, among the endpoints whose cost is within a twentieth
+//!   of τ of the cheapest. Repeated spills build a second warm replica instead of cold-filling a
 //!   different endpoint each time (and evicting its warm prefixes).
-//! - Cold prefixes go to the rendezvous winner, keyed by the first block, among the endpoints
-//!   near the least cost that hold the fewest distinct prefixes. New prefixes spread over the
-//!   caches evenly (an endpoint given a fifth prefix evicts one of its four), and gateway
-//!   replicas that share no state still tend to agree.
+//! - Cold prefixes first go back to an endpoint that still holds them by the whole-prompt LRU
+//!   view (the index counts every block, the questions too, and forgets a prefix the server
+//!   still holds). Otherwise to the endpoint where queue, recent work and what the prompt would
+//!   evict cost least: evicting a prefix idle for a minute costs little, one used a second ago
+//!   comes back as a cold fill. Near-ties go to the rendezvous winner keyed by the first block,
+//!   so gateway replicas that share no state still tend to agree.
 //! - When every endpoint is past τ, spilling cannot create headroom, it only turns capacity
 //!   into cold fills: stay sticky.
 //!
@@ -25,15 +32,29 @@ pub struct Tokenaware {
     pub p: Params,
 }
 
+/// τ in prompts' worth of tokens: the bounds (see the module comment).
+const TAU_MIN_PROMPTS: f64 = 4.0;
+const TAU_MAX_PROMPTS: f64 = 8.0;
 /// Share of τ within which an endpoint counts as "least loaded" for a spill.
 const SPILL_BAND: f64 = 0.05;
-/// Share of one cold prefill within which cold-placement keys count as tied.
 /// Seconds of an endpoint's recent work rate a cold placement counts as queue: a cold fill
 /// delays everything that arrives behind it.
 const WORK_HORIZON_S: u64 = 20;
+/// Share of one cold prefill within which cold-placement keys count as tied.
 const COLD_BAND: f64 = 0.2;
+/// An evicted prefix last used `idle` seconds ago is asked for again soon with weight
+/// `EVICT_HORIZON_S / (EVICT_HORIZON_S + idle)`; a likely refill counts as this share of a
+/// prompt's prefill (the refill lands on whichever endpoint is free then).
+const EVICT_HORIZON_S: f64 = 10.0;
+const EVICT_WEIGHT: f64 = 0.5;
 
 impl Tokenaware {
+    /// This request's τ: the configured one within the prompt bounds.
+    fn tau(&self, ask: &Ask) -> f64 {
+        let t = ask.tokens.max(1) as f64;
+        self.p.tau.clamp(TAU_MIN_PROMPTS * t, TAU_MAX_PROMPTS * t)
+    }
+
     fn band(&self, ask: &Ask, fleet: &[Candidate], among: &[usize], share: f64) -> Vec<usize> {
         let min = among
             .iter()
@@ -55,21 +76,47 @@ impl Tokenaware {
             .max_by_key(|&i| rendezvous(key, fleet[i].id))
     }
 
-    /// Cold placement trades cache room against queue: each prefix an endpoint already
-    /// holds counts as one prefill of this request, since placing one more there evicts one.
+    /// An endpoint under τ that still holds the prompt by the whole-prompt LRU view, the
+    /// cheapest if several.
+    fn still_held(&self, ask: &Ask, fleet: &[Candidate]) -> Option<usize> {
+        (0..fleet.len())
+            .filter(|&i| {
+                let c = &fleet[i];
+                c.rank.is_some_and(|r| r < c.fit) && c.load.tokens as f64 <= self.p.tau
+            })
+            .min_by_key(|&i| ask.cost(&fleet[i]))
+    }
+
+    /// What placing the prompt costs in the cache, in tokens: nothing while it fits in the
+    /// endpoint's free room; else the likely refill of the prefix it pushes out.
+    fn eviction(ask: &Ask, c: &Candidate) -> u64 {
+        let room = c.capacity.saturating_sub(c.held);
+        if c.capacity == 0 || ask.chain.len() as u64 <= room {
+            return 0;
+        }
+        let Some(idle) = c.victim_idle_s else {
+            return 0;
+        };
+        let soon = EVICT_HORIZON_S / (EVICT_HORIZON_S + f64::from(idle));
+        (ask.tokens as f64 * soon * EVICT_WEIGHT) as u64
+    }
+
+    /// Cold placement trades queue and recent work against what the prompt would evict.
     fn cold(&self, ask: &Ask, fleet: &[Candidate]) -> Option<usize> {
+        if let Some(i) = self.still_held(ask, fleet) {
+            return Some(i);
+        }
         // Recent work is real tokens: on a slower endpoint it is more time (`speed` is 1
-        // unless rates are learned). Held prefixes are cache room, the same on every
-        // endpoint whatever its speed.
+        // unless rates are learned).
         let key = |i: usize| {
             let c = &fleet[i];
             let work = (c.work_per_s as f64 * WORK_HORIZON_S as f64 / c.speed()) as u64;
-            ask.cost(c) + u64::from(c.heads) * ask.tokens + work
+            ask.cost(c) + work + Self::eviction(ask, c)
         };
         let min = (0..fleet.len()).map(key).min().unwrap_or(0);
         let slack = (ask.tokens as f64 * COLD_BAND) as u64;
-        // An endpoint that held this prefix recently probably still has it: going back costs
-        // at most one more held prefix than the best fresh choice.
+        // An endpoint that held this prefix recently may still have it: going back may cost
+        // half a prefill more than the best fresh choice.
         let recalled = (0..fleet.len())
             .filter(|&i| fleet[i].recalled && key(i) <= min + slack + ask.tokens / 2)
             .min_by_key(|&i| key(i));
@@ -102,14 +149,8 @@ impl Tokenaware {
     fn saturated(&self, fleet: &[Candidate]) -> bool {
         fleet.iter().all(|c| c.load.tokens as f64 > self.p.tau)
     }
-}
 
-impl Policy for Tokenaware {
-    fn name(&self) -> &'static str {
-        "tokenaware"
-    }
-
-    fn pick(&self, ask: &Ask, fleet: &[Candidate], seq: u64) -> Option<Decision> {
+    fn pick_at_tau(&self, ask: &Ask, fleet: &[Candidate], seq: u64) -> Option<Decision> {
         if fleet.is_empty() {
             return None;
         }
@@ -135,6 +176,20 @@ impl Policy for Tokenaware {
         }
         let pick = self.spill(ask, fleet, &w)?;
         Some(decide(ask, fleet, pick, Reason::Spill, true, &self.p))
+    }
+}
+
+impl Policy for Tokenaware {
+    fn name(&self) -> &'static str {
+        "tokenaware"
+    }
+
+    fn pick(&self, ask: &Ask, fleet: &[Candidate], seq: u64) -> Option<Decision> {
+        let p = Params {
+            tau: self.tau(ask),
+            ..self.p
+        };
+        Tokenaware { p }.pick_at_tau(ask, fleet, seq)
     }
 }
 
@@ -204,12 +259,57 @@ mod tests {
                 first.endpoint
             );
         }
-        // The same endpoint, holding more prefixes than the others, is avoided.
-        f[first.endpoint].heads = 3;
+        // Every cache full: the endpoint whose placement would evict a prefix used a second
+        // ago is avoided; the others' victims have been idle for ten minutes.
+        for (i, c) in f.iter_mut().enumerate() {
+            c.held = c.capacity;
+            c.victim_idle_s = Some(if i == first.endpoint { 1 } else { 600 });
+        }
         assert_ne!(
             ta().pick(&ask(&chain), &f, 0).unwrap().endpoint,
             first.endpoint
         );
+        // With room left there, nothing is evicted and it is the first choice again.
+        f[first.endpoint].held = 0;
+        assert_eq!(
+            ta().pick(&ask(&chain), &f, 0).unwrap().endpoint,
+            first.endpoint
+        );
+    }
+
+    #[test]
+    fn a_prefix_the_index_forgot_goes_back_where_it_is_still_held() {
+        let chain: Vec<u64> = (60..70).collect();
+        let mut f = fleet(&[(0, 0), (0, 30_000), (0, 0), (0, 0)]);
+        // Endpoint 1 used this prefix third most recently and holds four such prompts.
+        f[1].rank = Some(2);
+        f[1].fit = 4;
+        let d = ta().pick(&ask(&chain), &f, 0).unwrap();
+        assert_eq!((d.endpoint, d.reason), (1, Reason::Cold));
+        // Fifth most recent: pushed out by now, placed like any cold prefix.
+        f[1].rank = Some(4);
+        assert_ne!(ta().pick(&ask(&chain), &f, 0).unwrap().endpoint, 1);
+        // Still held but past τ: not worth the queue.
+        f[1].rank = Some(0);
+        f[1].load.tokens = 90_000;
+        assert_ne!(ta().pick(&ask(&chain), &f, 0).unwrap().endpoint, 1);
+    }
+
+    #[test]
+    fn tau_is_bounded_by_the_prompt() {
+        // A 10,000-token prompt: τ counts as at least 40,000 and at most 80,000 tokens.
+        let chain = [3u64; 10];
+        let with_tau = |tau: f64| Tokenaware {
+            p: Params { tau, ..params() },
+        };
+        let f = fleet(&[(0, 0), (10, 30_000), (0, 0)]);
+        let d = with_tau(5_000.0).pick(&ask(&chain), &f, 0).unwrap();
+        assert_eq!((d.endpoint, d.reason), (1, Reason::Sticky));
+        let f = fleet(&[(0, 0), (10, 90_000), (0, 0)]);
+        let d = with_tau(10_000_000.0).pick(&ask(&chain), &f, 0).unwrap();
+        assert_eq!((d.reason, d.tau_broken), (Reason::Spill, true));
+        let d = with_tau(100_000.0).pick(&ask(&chain), &fleet(&[(10, 70_000)]), 0);
+        assert_eq!(d.unwrap().reason, Reason::Sticky);
     }
 
     #[test]

@@ -249,7 +249,17 @@ async fn small_tau_spills_concurrent_load() {
     }
     // τ of 300 tokens; each request brings ~500 uncached tokens (its own question) on top
     // of the shared prefix, so a second request in flight on the warm endpoint breaks it.
-    let gw = start(fleet(3, 1.0), |eps| plugin_config(eps, r#""tau":300"#)).await;
+    // Sticky-until-saturated takes τ as given (tokenaware would hold it to at least four
+    // prompts' worth, which nine requests in flight do not reach); with the absolute gate a
+    // broken gate goes to the least queued endpoint (the relative gate's lookahead would
+    // still pick the warm one, whose cache discount outweighs its queue).
+    let gw = start(fleet(3, 1.0), |eps| {
+        plugin_config(
+            eps,
+            r#""tau":300,"policy":"sticky-until-saturated","gate":"absolute""#,
+        )
+    })
+    .await;
     let sys = system(7, 32_000);
     let question = |q: usize| format!("question {q}: ").repeat(150);
     let first = gw.post(CHAT, chat(&sys, &question(100))).await;
