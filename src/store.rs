@@ -6,6 +6,8 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 
+use xxhash_rust::xxh3::xxh3_64;
+
 /// Version of a stored value, as proxy-wasm's `cas`.
 pub type Cas = u32;
 
@@ -120,8 +122,9 @@ pub struct ReadCache<'a, S: SharedStore + ?Sized> {
     cache: RefCell<Vec<Cached>>,
 }
 
-/// A key, its value and version as read.
-type Cached = (String, Option<Vec<u8>>, Option<Cas>);
+/// A key's hash (compared first: a decision reads some thirty keys that share a long prefix),
+/// the key, its value and version as read.
+type Cached = (u64, String, Option<Vec<u8>>, Option<Cas>);
 
 impl<'a, S: SharedStore + ?Sized> ReadCache<'a, S> {
     pub fn new(inner: &'a S) -> Self {
@@ -134,18 +137,20 @@ impl<'a, S: SharedStore + ?Sized> ReadCache<'a, S> {
 
 impl<S: SharedStore + ?Sized> SharedStore for ReadCache<'_, S> {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<Cas>), StoreError> {
-        if let Some((_, v, c)) = self.cache.borrow().iter().find(|(k, _, _)| k == key) {
+        let h = xxh3_64(key.as_bytes());
+        let hit = |(kh, k, _, _): &&Cached| *kh == h && k == key;
+        if let Some((_, _, v, c)) = self.cache.borrow().iter().find(hit) {
             return Ok((v.clone(), *c));
         }
         let (v, c) = self.inner.get(key)?;
         self.cache
             .borrow_mut()
-            .push((key.to_string(), v.clone(), c));
+            .push((h, key.to_string(), v.clone(), c));
         Ok((v, c))
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
-        self.cache.borrow_mut().retain(|(k, _, _)| k != key);
+        self.cache.borrow_mut().retain(|(_, k, _, _)| k != key);
         self.inner.set(key, value, cas)
     }
 }

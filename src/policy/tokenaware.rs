@@ -77,8 +77,13 @@ impl Tokenaware {
     }
 
     /// An endpoint under τ that still holds the prompt by the whole-prompt LRU view, the
-    /// cheapest if several.
+    /// cheapest if several. Only when the index matches none of the prompt anywhere: the
+    /// records know prompts by their first block, which prompts that share a system prompt
+    /// but not the rest also share (they would all be sent to its holder).
     fn still_held(&self, ask: &Ask, fleet: &[Candidate]) -> Option<usize> {
+        if fleet.iter().any(|c| c.matched_blocks > 0) {
+            return None;
+        }
         (0..fleet.len())
             .filter(|&i| {
                 let c = &fleet[i];
@@ -286,6 +291,11 @@ mod tests {
         f[1].fit = 4;
         let d = ta().pick(&ask(&chain), &f, 0).unwrap();
         assert_eq!((d.endpoint, d.reason), (1, Reason::Cold));
+        // Another endpoint holds the prompt's first blocks (a shared system prompt, say): the
+        // records cannot tell this prompt from others that start the same way.
+        f[2].matched_blocks = 3;
+        assert_ne!(ta().pick(&ask(&chain), &f, 0).unwrap().endpoint, 1);
+        f[2].matched_blocks = 0;
         // Fifth most recent: pushed out by now, placed like any cold prefix.
         f[1].rank = Some(4);
         assert_ne!(ta().pick(&ask(&chain), &f, 0).unwrap().endpoint, 1);
