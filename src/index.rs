@@ -27,7 +27,9 @@
 
 use std::cmp::Reverse;
 
-use crate::store::{read_u32, read_u64, update, write_u32, write_u64, SharedStore, StoreError};
+use crate::store::{
+    key, read_u32, read_u64, update, write_u32, write_u64, SharedStore, StoreError,
+};
 
 /// Blocks per index entry.
 pub const SEGMENT: usize = 16;
@@ -124,11 +126,11 @@ impl AffinityIndex {
     }
 
     fn header_key(&self, slot: u16) -> String {
-        format!("{}h{slot:x}", self.prefix)
+        key(&self.prefix, Some('h'), u64::from(slot))
     }
 
     fn bucket_key(&self, bucket: u64) -> String {
-        format!("{}b{bucket:x}", self.prefix)
+        key(&self.prefix, Some('b'), bucket)
     }
 
     /// A bucket's ways as stored (see `ways`).

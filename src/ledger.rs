@@ -8,7 +8,9 @@
 //! request TTL is dropped whole, so a charge that is never released (a crashed worker VM)
 //! stops counting after at most TTL + one bucket, with no per-request key in the store.
 
-use crate::store::{read_u32, read_u64, update, write_u32, write_u64, SharedStore, StoreError};
+use crate::store::{
+    key, read_u32, read_u64, update, write_u32, write_u64, SharedStore, StoreError,
+};
 
 const RING: usize = 8;
 const SLOT_BYTES: usize = 24;
@@ -60,7 +62,7 @@ impl LoadLedger {
     }
 
     fn key(&self, slot: u16) -> String {
-        format!("{}{slot:x}", self.prefix)
+        key(&self.prefix, None, u64::from(slot))
     }
 
     fn epoch(&self, now_ms: u64) -> u32 {

@@ -6,7 +6,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::{xxh3_64, Xxh3DefaultBuilder};
 
 /// Version of a stored value, as proxy-wasm's `cas`.
 pub type Cas = u32;
@@ -53,7 +53,7 @@ pub fn update<S: SharedStore + ?Sized, T>(
 /// In-process store with proxy-wasm's semantics (versions start at 1, bump on every set).
 #[derive(Debug, Default)]
 pub struct MemStore {
-    map: RefCell<HashMap<String, (Vec<u8>, Cas)>>,
+    map: RefCell<HashMap<String, (Vec<u8>, Cas), Xxh3DefaultBuilder>>,
     /// Test hook: fail this many upcoming sets with `CasMismatch`, as a racing worker would.
     pub inject_conflicts: std::cell::Cell<u32>,
 }
@@ -155,6 +155,22 @@ impl<S: SharedStore + ?Sized> SharedStore for ReadCache<'_, S> {
     }
 }
 
+/// A store key: `prefix`, a tag character and `n` in lower-case hex (what `format!` would
+/// write, without its machinery: keys are built for every store access of every decision).
+pub(crate) fn key(prefix: &str, tag: Option<char>, n: u64) -> String {
+    let mut k = String::with_capacity(prefix.len() + 17);
+    k.push_str(prefix);
+    if let Some(t) = tag {
+        k.push(t);
+    }
+    let digits = (64 - n.leading_zeros()).div_ceil(4).max(1);
+    for i in (0..digits).rev() {
+        let d = ((n >> (4 * i)) & 0xf) as u32;
+        k.push(char::from_digit(d, 16).unwrap_or('0'));
+    }
+    k
+}
+
 /// Little-endian field access for fixed-layout records; out-of-range reads give 0 so a short
 /// or foreign value reads as empty instead of panicking.
 pub(crate) fn read_u64(b: &[u8], at: usize) -> u64 {
@@ -196,6 +212,14 @@ mod tests {
         s.set("k", b"b", c).unwrap();
         assert_eq!(s.set("k", b"c", c), Err(StoreError::CasMismatch));
         assert_eq!(s.get("k").unwrap().0.unwrap(), b"b");
+    }
+
+    #[test]
+    fn keys_are_written_as_format_would() {
+        for n in [0u64, 1, 9, 10, 15, 16, 255, 4096, 0xdead_beef, u64::MAX] {
+            assert_eq!(key("ns/ix/", Some('b'), n), format!("ns/ix/b{n:x}"));
+            assert_eq!(key("ns/ld/", None, n), format!("ns/ld/{n:x}"));
+        }
     }
 
     #[test]
