@@ -283,7 +283,6 @@ impl Router {
                         .victim_used_s
                         .map(|t| ((now_ms / 1000) as u32).saturating_sub(t)),
                     rank: m.rank,
-                    fit: (m.capacity / chain.hashes.len().max(1) as u64) as u32,
                     speed: 1.0,
                 };
                 Ok(((c, est), raw))

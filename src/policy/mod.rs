@@ -41,13 +41,11 @@ pub struct Candidate {
     pub recalled: bool,
     /// Blocks it is believed to hold (at most `capacity`).
     pub held: u64,
-    /// Seconds since its least recently used prefix was last used: what a new prefix
-    /// evicts there once it is full. `None` when it holds no prefix the index knows of.
+    /// Seconds since the prefix a prompt of this size would push out there (by the
+    /// whole-prompt LRU view of `index::Match`) was last used; `None` while there is room.
     pub victim_idle_s: Option<u32>,
     /// This prompt's rank by last use among the endpoint's recent prefixes.
     pub rank: Option<u32>,
-    /// Prompts of this size the endpoint's cache holds.
-    pub fit: u32,
     /// Learned prefill rate over the configured one (1 without learning): this request's
     /// uncached tokens cost `1 / speed` reference tokens each there.
     pub speed: f64,
@@ -77,7 +75,6 @@ impl Default for Candidate {
             held: 0,
             victim_idle_s: None,
             rank: None,
-            fit: 0,
             speed: 1.0,
         }
     }

@@ -43,7 +43,6 @@ pub fn fleet(spec: &[(usize, u64)]) -> Vec<Candidate> {
             held: 0,
             victim_idle_s: None,
             rank: None,
-            fit: 0,
             speed: 1.0,
         })
         .collect()

@@ -84,10 +84,12 @@ impl Tokenaware {
         if fleet.iter().any(|c| c.matched_blocks > 0) {
             return None;
         }
+        // Prompts of this size the endpoint's cache holds.
+        let fit = |c: &Candidate| c.capacity / ask.chain.len().max(1) as u64;
         (0..fleet.len())
             .filter(|&i| {
                 let c = &fleet[i];
-                c.rank.is_some_and(|r| r < c.fit) && c.load.tokens as f64 <= self.p.tau
+                c.rank.is_some_and(|r| u64::from(r) < fit(c)) && c.load.tokens as f64 <= self.p.tau
             })
             .min_by_key(|&i| ask.cost(&fleet[i]))
     }
@@ -288,7 +290,7 @@ mod tests {
         let mut f = fleet(&[(0, 0), (0, 30_000), (0, 0), (0, 0)]);
         // Endpoint 1 used this prefix third most recently and holds four such prompts.
         f[1].rank = Some(2);
-        f[1].fit = 4;
+        f[1].capacity = 40;
         let d = ta().pick(&ask(&chain), &f, 0).unwrap();
         assert_eq!((d.endpoint, d.reason), (1, Reason::Cold));
         // Another endpoint holds the prompt's first blocks (a shared system prompt, say): the
