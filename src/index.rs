@@ -208,9 +208,19 @@ impl AffinityIndex {
         let fit = (h.capacity / chain.len() as u64).max(1) as usize;
         (m.rank, m.victim_used_s) = recency(&v, chain[0], fit);
         let segments = chain.len().div_ceil(SEGMENT);
+        // A prefix cache only serves a prompt from its first block on: an endpoint without
+        // the first segment matches nothing (one read for most endpoints, where a search
+        // would take log2 of the segments). The insert reads this segment anyway.
+        let Some(first) = self.segment_held(s, slot, chain, 0, h)? else {
+            return Ok(m);
+        };
+        if first < segment(chain, 0).len() {
+            m.blocks = first;
+            return Ok(m);
+        }
         // Largest j whose segment is held: binary search over [lo, hi).
-        let (mut lo, mut hi) = (0usize, segments);
-        let mut best: Option<(usize, usize)> = None;
+        let (mut lo, mut hi) = (1usize, segments);
+        let mut best: Option<(usize, usize)> = Some((0, first));
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
             match self.segment_held(s, slot, chain, mid, h)? {
@@ -672,7 +682,7 @@ fn fill_entry(e: &mut [u8], t: u64, stamp: u64, slot: u16, seg: &[u64], now_s: u
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::MemStore;
+    use crate::store::{Cas, MemStore};
 
     fn chain(seed: u64, n: usize) -> Vec<u64> {
         let mut h = seed;
@@ -705,6 +715,36 @@ mod tests {
         b.extend(chain(99, 50).iter().map(|h| h ^ 7));
         assert_eq!(ix.matched(&s, 0, &b).unwrap().blocks, 37);
         assert_eq!(ix.matched(&s, 0, &a[..5]).unwrap().blocks, 5);
+    }
+
+    /// Counts reads, to check what a lookup costs in shared-data calls.
+    struct Counted<'a>(&'a MemStore, std::cell::Cell<usize>);
+
+    impl SharedStore for Counted<'_> {
+        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<Cas>), StoreError> {
+            self.1.set(self.1.get() + 1);
+            self.0.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
+            self.0.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn a_prompt_matches_from_its_first_segment_only() {
+        let (ix, s) = index(10_000, 2);
+        let a = chain(1, 100);
+        // Every segment of `a` but the first is held on slot 0, under another first segment.
+        let mut c = chain(5, SEGMENT);
+        c.extend_from_slice(&a[SEGMENT..]);
+        ix.insert(&s, 0, &c, 0).unwrap();
+        let counted = Counted(&s, Default::default());
+        assert_eq!(ix.matched(&counted, 0, &a).unwrap().blocks, 0);
+        // The header and the first segment's bucket: no search over the rest.
+        assert_eq!(counted.1.get(), 2);
+        assert_eq!(ix.matched(&counted, 1, &a).unwrap().blocks, 0);
+        assert_eq!(counted.1.get(), 4);
+        assert_eq!(ix.matched(&s, 0, &c).unwrap().blocks, 100);
     }
 
     #[test]

@@ -24,7 +24,7 @@
 //! time faster or slower than the wall clock. Rates, times and tokens are reported in model
 //! units.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -93,6 +93,10 @@ struct Args {
     /// Output directory.
     #[arg(long, default_value = "target/bench")]
     out_dir: PathBuf,
+    /// Also write every request's record (endpoint, TTFT, hits) to
+    /// OUT_DIR/records/WORKLOAD/TARGET.json, one array per stage.
+    #[arg(long)]
+    records: bool,
     /// Only draw the plots from existing results (`--results`, default
     /// `<out-dir>/results.json`); runs nothing.
     #[arg(long)]
@@ -270,6 +274,32 @@ fn report_learned(gw: &Gateway, p: &Profile, endpoints: usize, target: &str) {
     }
 }
 
+/// tokenaware's decisions by reason over the whole ladder (what the policy did, for the
+/// report's explanations).
+fn report_decisions(gw: &Gateway, target: &str) {
+    let Gateway::Envoy(e) = gw else { return };
+    let count = |name: &str| {
+        e.stat(&format!("wasmcustom.tokenaware_{name}"))
+            .ok()
+            .flatten()
+    };
+    let names = [
+        "decisions_sticky",
+        "decisions_spill",
+        "decisions_cold",
+        "decisions_all_saturated",
+        "decisions_balanced",
+        "tau_breaks",
+    ];
+    let seen: Vec<String> = names
+        .iter()
+        .filter_map(|n| count(n).map(|c| format!("{n} {c}")))
+        .collect();
+    if !seen.is_empty() {
+        eprintln!("{target}: {}", seen.join(", "));
+    }
+}
+
 /// A running target, stopped on drop.
 enum Gateway {
     Envoy(Envoy),
@@ -438,6 +468,18 @@ fn far_past(s: &Summary, slo_s: f64) -> bool {
     s.errors as f64 > 0.1 * s.requests.max(1) as f64 || s.ttft_p90_s > 4.0 * slo_s
 }
 
+fn write_records(out: &Path, workload: &str, target: &str, stages: &[Stage]) -> anyhow::Result<()> {
+    let dir = out.join("records").join(workload);
+    std::fs::create_dir_all(&dir)?;
+    let v: Vec<serde_json::Value> = stages
+        .iter()
+        .map(|s| json!({"rate": s.rate, "records": s.records}))
+        .collect();
+    let path = dir.join(format!("{}.json", target.replace(' ', "_")));
+    std::fs::write(&path, serde_json::to_vec(&v)?)?;
+    Ok(())
+}
+
 async fn run_one(
     kind: WorkloadKind,
     p: &Profile,
@@ -479,6 +521,7 @@ async fn run_one(
     .await;
     for gw in &gws {
         report_learned(gw, p, eps.len(), target);
+        report_decisions(gw, target);
     }
     drop(gws);
     drop(fleet);
@@ -566,6 +609,9 @@ async fn main() -> anyhow::Result<()> {
                     continue;
                 }
             };
+            if a.records {
+                write_records(&a.out_dir, kind.name(), target, &stages)?;
+            }
             let rows: Vec<(f64, Summary)> =
                 stages.iter().map(|s| (s.rate, s.summary.clone())).collect();
             let cap = capacity(&rows, p.slo_s);
