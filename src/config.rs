@@ -206,6 +206,10 @@ pub struct Config {
     pub max_body_bytes: u64,
     /// Next-best endpoints handed to override_host after the pick.
     pub fallbacks: u32,
+    /// How many endpoints a cold prefix may be placed on: the first N by rendezvous on its
+    /// first block, so gateway replicas, which share no tables, tend to agree. Absent: any
+    /// endpoint (the best balance for one gateway).
+    pub cold_placement_choices: Option<u32>,
     /// Adds `x-tokenaware-decision` to responses.
     pub decision_header: bool,
     /// Path answering with the tables as JSON; off when absent.
@@ -268,6 +272,7 @@ impl Default for Config {
             ],
             max_body_bytes: 4 * 1024 * 1024,
             fallbacks: 2,
+            cold_placement_choices: None,
             decision_header: false,
             debug_path: None,
             request_ttl_seconds: 600,
@@ -325,6 +330,9 @@ impl Config {
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         check_range("affinityThreshold", self.affinity_threshold, 0.0, 1.0)?;
+        if let Some(n) = self.cold_placement_choices {
+            check_range("coldPlacementChoices", n.into(), 1.0, 65_536.0)?;
+        }
         check_range("maxTTFTPenaltyMs", self.max_ttft_penalty_ms, 0.0, 3.6e6)?;
         check_range("bytesPerToken", self.bytes_per_token, 0.5, 64.0)?;
         check_range(
@@ -549,6 +557,7 @@ mod tests {
             (r#","bogus":1"#, "bogus"),
             (r#","policy":"fastest""#, "policy"),
             (r#","maxTTFTPenaltyMs":-1"#, "maxTTFTPenaltyMs"),
+            (r#","coldPlacementChoices":0"#, "coldPlacementChoices"),
         ];
         for (extra, field) in cases {
             let e = Config::from_json(with_endpoints(extra).as_bytes()).unwrap_err();

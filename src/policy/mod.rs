@@ -176,6 +176,8 @@ pub struct Params {
     pub scorer: Scorer,
     pub picker: Picker,
     pub fallbacks: usize,
+    /// Endpoints a cold prefix may go to, by rendezvous on its first block (0: all).
+    pub cold_choices: usize,
 }
 
 impl Params {
@@ -187,6 +189,7 @@ impl Params {
             scorer: c.scorer,
             picker: c.picker,
             fallbacks: c.fallbacks as usize,
+            cold_choices: c.cold_placement_choices.unwrap_or(0) as usize,
         }
     }
 }

@@ -13,6 +13,7 @@ pub fn params() -> Params {
         scorer: Scorer::TokenLoad,
         picker: Picker::MaxScore,
         fallbacks: 2,
+        cold_choices: 0,
     }
 }
 

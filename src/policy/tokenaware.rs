@@ -42,6 +42,9 @@ const SPILL_BAND: f64 = 0.05;
 const WORK_HORIZON_S: u64 = 20;
 /// Share of one cold prefill within which cold-placement keys count as tied.
 const COLD_BAND: f64 = 0.2;
+/// With `cold_choices` (gateway replicas), the share of the cheapest cold key within which
+/// the choices count as tied.
+const REPLICA_BAND: f64 = 0.25;
 /// An evicted prefix last used `idle` seconds ago is asked for again soon with weight
 /// `EVICT_HORIZON_S / (EVICT_HORIZON_S + idle)`; a likely refill counts as this share of a
 /// prompt's prefill (the refill lands on whichever endpoint is free then).
@@ -108,11 +111,27 @@ impl Tokenaware {
         (ask.tokens as f64 * soon * EVICT_WEIGHT) as u64
     }
 
+    /// The endpoints a cold prefix may go to: all, or with `cold_choices` the first few by
+    /// rendezvous on its first block. Gateway replicas share no tables, and each places a
+    /// prefix it has not seen by its own view of load; limited to the same few, they
+    /// mostly agree, and a prefix is not cold-filled once per replica.
+    fn cold_pool(&self, ask: &Ask, fleet: &[Candidate]) -> Vec<usize> {
+        let mut pool = all(fleet);
+        let n = self.p.cold_choices;
+        if n > 0 && n < pool.len() {
+            let key = ask.chain.first().copied().unwrap_or(0);
+            pool.sort_by_key(|&i| std::cmp::Reverse(rendezvous(key, fleet[i].id)));
+            pool.truncate(n);
+        }
+        pool
+    }
+
     /// Cold placement trades queue and recent work against what the prompt would evict.
     fn cold(&self, ask: &Ask, fleet: &[Candidate]) -> Option<usize> {
         if let Some(i) = self.still_held(ask, fleet) {
             return Some(i);
         }
+        let pool = self.cold_pool(ask, fleet);
         // Recent work is real tokens: on a slower endpoint it is more time (`speed` is 1
         // unless rates are learned).
         let key = |i: usize| {
@@ -120,17 +139,26 @@ impl Tokenaware {
             let work = (c.work_per_s as f64 * WORK_HORIZON_S as f64 / c.speed()) as u64;
             ask.cost(c) + work + Self::eviction(ask, c)
         };
-        let min = (0..fleet.len()).map(key).min().unwrap_or(0);
-        let slack = (ask.tokens as f64 * COLD_BAND) as u64;
+        let min = pool.iter().map(|&i| key(i)).min().unwrap_or(0);
+        let mut slack = (ask.tokens as f64 * COLD_BAND) as u64;
+        if self.p.cold_choices > 0 {
+            // Replicas each count only their own requests: differences within this share of
+            // the cost are each one's noise, so they go to the rendezvous order both share.
+            slack = slack.max((min as f64 * REPLICA_BAND) as u64);
+        }
         // An endpoint that held this prefix recently may still have it: going back may cost
         // half a prefill more than the best fresh choice.
-        let recalled = (0..fleet.len())
+        let recalled = pool
+            .iter()
+            .copied()
             .filter(|&i| fleet[i].recalled && key(i) <= min + slack + ask.tokens / 2)
             .min_by_key(|&i| key(i));
         if recalled.is_some() {
             return recalled;
         }
-        let near: Vec<usize> = (0..fleet.len())
+        let near: Vec<usize> = pool
+            .iter()
+            .copied()
             .filter(|&i| key(i) <= min + slack)
             .collect();
         Self::rendezvous_pick(fleet, &near, ask.chain.first().copied().unwrap_or(0))
@@ -305,6 +333,35 @@ mod tests {
         f[1].rank = Some(0);
         f[1].load.tokens = 90_000;
         assert_ne!(ta().pick(&ask(&chain), &f, 0).unwrap().endpoint, 1);
+    }
+
+    #[test]
+    fn limited_cold_choices_keep_replicas_on_the_same_few_endpoints() {
+        let two = Tokenaware {
+            p: Params {
+                cold_choices: 2,
+                ..params()
+            },
+        };
+        // Two gateways that see different loads (each knows only its own requests) place
+        // each cold prompt within the same two endpoints; with every choice open they
+        // spread over more.
+        let (mut limited, mut open) = (Vec::new(), Vec::new());
+        for p in 0..40u64 {
+            let chain: Vec<u64> = (p * 100..p * 100 + 10).collect();
+            let a = fleet(&[(0, 0), (0, 5_000), (0, 9_000), (0, 2_000), (0, 7_000)]);
+            let b = fleet(&[(0, 8_000), (0, 1_000), (0, 3_000), (0, 6_000), (0, 0)]);
+            let pick = |t: &Tokenaware, f: &[Candidate]| t.pick(&ask(&chain), f, 0).unwrap();
+            let (la, lb) = (pick(&two, &a), pick(&two, &b));
+            assert_eq!((la.reason, lb.reason), (Reason::Cold, Reason::Cold));
+            let pool = two.cold_pool(&ask(&chain), &a);
+            assert_eq!(pool.len(), 2);
+            assert!(pool.contains(&la.endpoint) && pool.contains(&lb.endpoint));
+            limited.push(la.endpoint == lb.endpoint);
+            open.push(pick(&ta(), &a).endpoint == pick(&ta(), &b).endpoint);
+        }
+        let agree = |v: &[bool]| v.iter().filter(|&&x| x).count();
+        assert!(agree(&limited) > agree(&open), "{limited:?} vs {open:?}");
     }
 
     #[test]
