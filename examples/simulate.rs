@@ -336,7 +336,7 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
                 if let Some(mut r) = reqs[i].routed.take() {
                     let _ = router.first_byte(&store, &mut r, now_ms);
                     let cached = if reqs[i].hit { a.prefix_tokens } else { 0 };
-                    let _ = router.observe_usage(&store, &r, "", 0, tokens, Some(cached));
+                    let _ = router.observe_usage(&store, &mut r, "", 0, tokens, Some(cached));
                     let _ = router.finish(&store, &mut r, Outcome::Done);
                     let slot = table.endpoints[e].slot;
                     if let Ok(est) = router.estimator.read(&store, slot) {

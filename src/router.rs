@@ -63,6 +63,9 @@ pub struct Routed {
     /// non-streamed answer's first byte comes after the whole generation.
     pub ttft_sample: bool,
     first_byte_seen: bool,
+    /// The TTFT sample, held from the first byte until `usage` says how many prompt tokens
+    /// the server really had to prefill (or the request ends without it).
+    pending_ttft: Option<TtftSample>,
 }
 
 /// How a request ended.
@@ -242,6 +245,7 @@ impl Router {
             capacity_blocks: picked.capacity_blocks,
             ttft_sample: true,
             first_byte_seen: false,
+            pending_ttft: None,
         })
     }
 
@@ -363,20 +367,35 @@ impl Router {
         }
         r.first_byte_seen = true;
         let released = self.ledger.release_prefill(s, &mut r.charge);
-        let mut sampled = Ok(());
         // Without learning nothing reads the estimates: no store work for them.
         if r.ttft_sample && self.cfg.learns() {
-            let sample = TtftSample {
+            r.pending_ttft = Some(TtftSample {
                 dispatch_ms: r.dispatch_ms,
                 first_byte_ms: now_ms,
                 ahead: r.ahead.tokens,
                 uncached: r.uncached,
                 active: r.ahead.requests,
-            };
-            sampled = self.estimator.observe_ttft(s, r.charge.slot, &sample);
+            });
         }
-        released.map_err(|_| UpdateError::Ledger)?;
-        sampled.map_err(|_| UpdateError::Estimates)
+        released.map_err(|_| UpdateError::Ledger)
+    }
+
+    /// Records the held TTFT sample, with the tokens the server prefilled when `usage` told
+    /// them (prompt − cached), else the index's prediction: a hit the index predicted but
+    /// the server had evicted would otherwise teach a rate far too low.
+    fn record_ttft<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        r: &mut Routed,
+        served_uncached: Option<u64>,
+    ) -> Result<(), StoreError> {
+        let Some(mut sample) = r.pending_ttft.take() else {
+            return Ok(());
+        };
+        if let Some(u) = served_uncached {
+            sample.uncached = u;
+        }
+        self.estimator.observe_ttft(s, r.charge.slot, &sample)
     }
 
     /// `usage` of the answer: the served prompt tokens (against `prompt_bytes` of canonical
@@ -385,7 +404,7 @@ impl Router {
     pub fn observe_usage<S: SharedStore + ?Sized>(
         &self,
         s: &S,
-        r: &Routed,
+        r: &mut Routed,
         model: &str,
         prompt_bytes: u64,
         prompt_tokens: u64,
@@ -401,6 +420,8 @@ impl Router {
         }
         self.estimator
             .observe_bytes_per_token(s, model, prompt_bytes, prompt_tokens)?;
+        let served = cached_tokens.map(|c| prompt_tokens.saturating_sub(c));
+        self.record_ttft(s, r, served.filter(|_| prompt_tokens > 0))?;
         let Some(cached) = cached_tokens else {
             return Ok(CacheCheck::NotPredicted);
         };
@@ -421,6 +442,9 @@ impl Router {
         r: &mut Routed,
         outcome: Outcome,
     ) -> Result<(), StoreError> {
+        // No `usage` came: the sample counts with the predicted uncached tokens. Best effort:
+        // a lost sample only slows the learning, and must not fail the release.
+        let _ = self.record_ttft(s, r, None);
         if outcome == Outcome::FailedEarly && !r.first_byte_seen && !r.receipt.written.is_empty() {
             let receipt = std::mem::take(&mut r.receipt);
             self.index.rollback(s, &receipt)?;
@@ -532,7 +556,7 @@ mod tests {
         assert!(second.tokens > second.uncached, "a predicted hit");
         let before = r.index.matched(&s, slot, &[]).unwrap().capacity;
         let check = r
-            .observe_usage(&s, &second, "m", 40_000, 10_000, Some(0))
+            .observe_usage(&s, &mut second, "m", 40_000, 10_000, Some(0))
             .unwrap();
         assert_eq!(check, CacheCheck::Missed);
         assert!(r.index.matched(&s, slot, &[]).unwrap().capacity < before);
@@ -541,6 +565,24 @@ mod tests {
         assert_eq!(r.estimator.read(&s, slot).unwrap().total, 1);
         r.finish(&s, &mut second, Outcome::Done).unwrap();
         assert_eq!(r.ledger.load(&s, slot, 6_000).unwrap(), Default::default());
+    }
+
+    #[test]
+    fn a_ttft_sample_waits_for_usage() {
+        // A streamed request's TTFT is recorded when `usage` says what the server prefilled
+        // (a predicted hit it had evicted is a whole prefill), not at the first byte.
+        let (mut r, t, s) = router(r#","peakPrefillThroughput":"auto""#);
+        let chain = r.hash(&chat(&"x".repeat(40_000), "q"));
+        let mut routed = r.route(&s, &t.endpoints, &chain, 10_000, 0).unwrap();
+        let slot = routed.charge.slot;
+        r.first_byte(&s, &mut routed, 2_000).unwrap();
+        assert_eq!(r.estimator.read(&s, slot).unwrap().total, 0);
+        r.observe_usage(&s, &mut routed, "m", 40_000, 10_000, Some(0))
+            .unwrap();
+        assert_eq!(r.estimator.read(&s, slot).unwrap().total, 1);
+        r.finish(&s, &mut routed, Outcome::Done).unwrap();
+        assert_eq!(r.estimator.read(&s, slot).unwrap().total, 1, "one sample");
+        assert_eq!(r.ledger.load(&s, slot, 3_000).unwrap(), Default::default());
     }
 
     /// A store whose learned-estimate keys cannot be written.
@@ -573,12 +615,10 @@ mod tests {
         let chain = r.hash(&chat(&"x".repeat(40_000), "q"));
         let mut routed = r.route(&s, &t.endpoints, &chain, 10_000, 0).unwrap();
         let slot = routed.charge.slot;
-        assert_eq!(
-            r.first_byte(&s, &mut routed, 500),
-            Err(UpdateError::Estimates)
-        );
+        assert_eq!(r.first_byte(&s, &mut routed, 500), Ok(()));
         assert_eq!(r.ledger.load(&s, slot, 600).unwrap().prefilling, 0);
         assert_eq!(r.ledger.load(&s, slot, 600).unwrap().requests, 1);
+        // The held sample cannot be stored: lost, and the release still happens.
         r.finish(&s, &mut routed, Outcome::Done).unwrap();
         assert_eq!(r.ledger.load(&s, slot, 600).unwrap(), Default::default());
     }

@@ -235,6 +235,14 @@ impl HttpFilter {
             vm.stats.inc(h, Counter::FailedEarly);
             Outcome::FailedEarly
         };
+        // `usage` first: it completes the TTFT sample held since the first byte.
+        if let Some(u) = usage::scan(&self.tail) {
+            vm.stats.add(h, Counter::UsagePromptTokens, u.prompt_tokens);
+            vm.stats
+                .add(h, Counter::UsageCachedTokens, u.cached_tokens.unwrap_or(0));
+            vm.stats.token_estimate(h, u.prompt_tokens, routed.tokens);
+            self.learn_from_usage(h, &vm, &mut routed, u);
+        }
         // An endpoint that left took its charges with it (its slot was cleared).
         let released = !slot_is_ours(h, &vm, &routed)
             || match vm.router.try_borrow() {
@@ -246,17 +254,10 @@ impl HttpFilter {
         } else {
             vm.stats.inc(h, Counter::ReleaseErrors);
         }
-        if let Some(u) = usage::scan(&self.tail) {
-            vm.stats.add(h, Counter::UsagePromptTokens, u.prompt_tokens);
-            vm.stats
-                .add(h, Counter::UsageCachedTokens, u.cached_tokens.unwrap_or(0));
-            vm.stats.token_estimate(h, u.prompt_tokens, routed.tokens);
-            self.learn_from_usage(h, &vm, &routed, u);
-        }
     }
 
     /// Feeds `usage` to the estimates (bytes per token, the cache check).
-    fn learn_from_usage<H: Host>(&self, h: &H, vm: &Vm, routed: &Routed, u: usage::Usage) {
+    fn learn_from_usage<H: Host>(&self, h: &H, vm: &Vm, routed: &mut Routed, u: usage::Usage) {
         let Ok(r) = vm.router.try_borrow() else {
             return;
         };
