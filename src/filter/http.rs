@@ -235,16 +235,20 @@ impl HttpFilter {
             vm.stats.inc(h, Counter::FailedEarly);
             Outcome::FailedEarly
         };
+        // An endpoint that left took its charges with it (its slot was cleared), and what
+        // its answer teaches belongs to no endpoint we still route to.
+        let ours = slot_is_ours(h, &vm, &routed);
         // `usage` first: it completes the TTFT sample held since the first byte.
         if let Some(u) = usage::scan(&self.tail) {
             vm.stats.add(h, Counter::UsagePromptTokens, u.prompt_tokens);
             vm.stats
                 .add(h, Counter::UsageCachedTokens, u.cached_tokens.unwrap_or(0));
             vm.stats.token_estimate(h, u.prompt_tokens, routed.tokens);
-            self.learn_from_usage(h, &vm, &mut routed, u);
+            if ours {
+                self.learn_from_usage(h, &vm, &mut routed, u);
+            }
         }
-        // An endpoint that left took its charges with it (its slot was cleared).
-        let released = !slot_is_ours(h, &vm, &routed)
+        let released = !ours
             || match vm.router.try_borrow() {
                 Ok(r) => r.finish(h, &mut routed, outcome).is_ok(),
                 Err(_) => false,
