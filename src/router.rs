@@ -35,14 +35,6 @@ impl From<StoreError> for RouteError {
     }
 }
 
-/// Which shared table a later update of a request failed on: the ledger (its charge then
-/// expires with the request TTL) or the learned estimates (one sample lost).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UpdateError {
-    Ledger,
-    Estimates,
-}
-
 /// A routed request: where it went, and what it holds in the tables until it ends.
 #[derive(Debug, Clone)]
 pub struct Routed {
@@ -353,15 +345,14 @@ impl Router {
             .collect()
     }
 
-    /// The first response byte: the prompt is prefilled. A streamed answer's first byte is
-    /// also a TTFT sample for the endpoint's estimates. The prefill is released even when
-    /// the sample cannot be stored.
+    /// The first response byte: the prompt is prefilled, its tokens leave the ledger. A
+    /// streamed answer's first byte is also a TTFT sample, held until `usage` (or the end).
     pub fn first_byte<S: SharedStore + ?Sized>(
         &self,
         s: &S,
         r: &mut Routed,
         now_ms: u64,
-    ) -> Result<(), UpdateError> {
+    ) -> Result<(), StoreError> {
         if r.first_byte_seen {
             return Ok(());
         }
@@ -377,7 +368,7 @@ impl Router {
                 active: r.ahead.requests,
             });
         }
-        released.map_err(|_| UpdateError::Ledger)
+        released
     }
 
     /// Records the held TTFT sample, with the tokens the server prefilled when `usage` told

@@ -16,7 +16,7 @@ use super::usage;
 use super::vm::Vm;
 use crate::estimator::CacheCheck;
 use crate::request::{parse, ApiKind, ParseLimits};
-use crate::router::{Outcome, RouteError, Routed, UpdateError};
+use crate::router::{Outcome, RouteError, Routed};
 
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 pub const DESTINATION_SERVED: &str = "x-gateway-destination-endpoint-served";
@@ -290,14 +290,12 @@ impl HttpFilter {
         if !slot_is_ours(h, vm, routed) {
             return;
         }
-        let updated = match vm.router.try_borrow() {
-            Ok(r) => r.first_byte(h, routed, now),
-            Err(_) => Err(UpdateError::Ledger),
+        let released = match vm.router.try_borrow() {
+            Ok(r) => r.first_byte(h, routed, now).is_ok(),
+            Err(_) => false,
         };
-        match updated {
-            Ok(()) => {}
-            Err(UpdateError::Ledger) => vm.stats.inc(h, Counter::ReleaseErrors),
-            Err(UpdateError::Estimates) => vm.stats.inc(h, Counter::EstimateErrors),
+        if !released {
+            vm.stats.inc(h, Counter::ReleaseErrors);
         }
     }
 

@@ -115,12 +115,11 @@ impl Tokenaware {
     /// rendezvous on its first block. Gateway replicas share no tables, and each places a
     /// prefix it has not seen by its own view of load; limited to the same few, they
     /// mostly agree, and a prefix is not cold-filled once per replica.
-    fn cold_pool(&self, ask: &Ask, fleet: &[Candidate]) -> Vec<usize> {
+    fn cold_pool(&self, head: u64, fleet: &[Candidate]) -> Vec<usize> {
         let mut pool = all(fleet);
         let n = self.p.cold_choices;
         if n > 0 && n < pool.len() {
-            let key = ask.chain.first().copied().unwrap_or(0);
-            pool.sort_by_key(|&i| std::cmp::Reverse(rendezvous(key, fleet[i].id)));
+            pool.sort_by_key(|&i| std::cmp::Reverse(rendezvous(head, fleet[i].id)));
             pool.truncate(n);
         }
         pool
@@ -131,7 +130,8 @@ impl Tokenaware {
         if let Some(i) = self.still_held(ask, fleet) {
             return Some(i);
         }
-        let pool = self.cold_pool(ask, fleet);
+        let head = ask.chain.first().copied().unwrap_or(0);
+        let pool = self.cold_pool(head, fleet);
         // Recent work is real tokens: on a slower endpoint it is more time (`speed` is 1
         // unless rates are learned).
         let key = |i: usize| {
@@ -161,7 +161,7 @@ impl Tokenaware {
             .copied()
             .filter(|&i| key(i) <= min + slack)
             .collect();
-        Self::rendezvous_pick(fleet, &near, ask.chain.first().copied().unwrap_or(0))
+        Self::rendezvous_pick(fleet, &near, head)
     }
 
     /// Spill target: not a warm endpoint that is itself past the gate (its cache discount
@@ -354,7 +354,7 @@ mod tests {
             let pick = |t: &Tokenaware, f: &[Candidate]| t.pick(&ask(&chain), f, 0).unwrap();
             let (la, lb) = (pick(&two, &a), pick(&two, &b));
             assert_eq!((la.reason, lb.reason), (Reason::Cold, Reason::Cold));
-            let pool = two.cold_pool(&ask(&chain), &a);
+            let pool = two.cold_pool(chain[0], &a);
             assert_eq!(pool.len(), 2);
             assert!(pool.contains(&la.endpoint) && pool.contains(&lb.endpoint));
             limited.push(la.endpoint == lb.endpoint);
