@@ -76,6 +76,47 @@ async fn cold_then_warm_completion() {
     assert!(m.contains("# TYPE vllm:num_requests_waiting gauge"));
 }
 
+/// With `slow_endpoints: 1` the first endpoint prefills at half the rate: the same cold
+/// prompt takes about twice as long there.
+#[tokio::test]
+async fn slow_endpoints_prefill_at_half_rate() {
+    let f = Fleet::start_on_free_ports(FleetConfig {
+        endpoints: 2,
+        timing: Timing {
+            time_factor: 0.1,
+            ..Default::default()
+        },
+        slow_endpoints: 1,
+        ..Default::default()
+    })
+    .unwrap();
+    let c = client();
+    let mut times = Vec::new();
+    for (i, ep) in f.endpoints().iter().enumerate() {
+        // 20,480 cold tokens: 1 s model at the fleet's rate, 100 ms wall; distinct text per
+        // endpoint (each cache is its own anyway).
+        let body =
+            json!({"model": "sim-model", "prompt": format!("{i}").repeat(81_920), "max_tokens": 1});
+        let t0 = Instant::now();
+        let r = c
+            .post(format!("http://{ep}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        r.bytes().await.unwrap();
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    let (slow, fast) = (times[0], times[1]);
+    assert!(fast >= 0.095, "fast endpoint {fast} s");
+    // HTTP overhead adds to both: the ratio stays a little under 2 on a busy machine.
+    assert!(
+        slow > 1.5 * fast && slow < 2.6 * fast,
+        "slow {slow} s, fast {fast} s"
+    );
+}
+
 #[tokio::test]
 async fn streaming_chat_ends_with_usage_and_done() {
     let f = fleet(2, MetricsNames::Vllm);

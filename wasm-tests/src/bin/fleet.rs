@@ -41,6 +41,9 @@ struct Args {
     /// Decode step time growth per extra decoding request.
     #[arg(long, default_value_t = 0.005)]
     decode_batch_slope: f64,
+    /// Model tokens per simulated token (a scaled run's token scale; see `Timing`).
+    #[arg(long, default_value_t = 1.0)]
+    token_scale: f64,
     /// KV cache capacity per endpoint, in 16-token blocks.
     #[arg(long, default_value_t = 32768)]
     kv_blocks: usize,
@@ -50,6 +53,9 @@ struct Args {
     /// A port in the range that does not listen (repeatable).
     #[arg(long = "dead")]
     dead: Vec<u16>,
+    /// The first N endpoints prefill at half `--prefill-rate` (a heterogeneous fleet).
+    #[arg(long, default_value_t = 0)]
+    slow_endpoints: usize,
 }
 
 async fn shutdown_signal() {
@@ -79,6 +85,10 @@ async fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     anyhow::ensure!(a.time_factor >= 0.0, "--time-factor must be >= 0");
     anyhow::ensure!(a.prefill_rate > 0.0, "--prefill-rate must be > 0");
+    anyhow::ensure!(
+        a.token_scale > 0.0 && a.token_scale <= 1.0,
+        "--token-scale must be in (0, 1]"
+    );
     let cfg = FleetConfig {
         endpoints: a.endpoints,
         base_port: a.base_port,
@@ -89,6 +99,7 @@ async fn main() -> anyhow::Result<()> {
             max_num_batched_tokens: a.max_num_batched_tokens,
             max_num_seqs: a.max_num_seqs,
             decode_batch_slope: a.decode_batch_slope,
+            token_scale: a.token_scale,
         },
         kv_blocks: a.kv_blocks,
         metrics_names: match a.metrics_names {
@@ -96,6 +107,7 @@ async fn main() -> anyhow::Result<()> {
             Names::Sglang => MetricsNames::Sglang,
         },
         dead: a.dead,
+        slow_endpoints: a.slow_endpoints,
     };
     let listeners = fleet::bind(&cfg)?;
     let last = usize::from(cfg.base_port) + cfg.endpoints - 1;

@@ -70,7 +70,13 @@ pub struct FleetConfig {
     pub metrics_names: MetricsNames,
     /// Ports in the range that do not listen at all (simulated dead endpoints).
     pub dead: Vec<u16>,
+    /// The first this many endpoints prefill at [`SLOW_PREFILL_FACTOR`] of
+    /// `timing.prefill_rate` (a heterogeneous fleet).
+    pub slow_endpoints: usize,
 }
+
+/// What a slow endpoint's prefill rate is of the fleet's.
+pub const SLOW_PREFILL_FACTOR: f64 = 0.5;
 
 impl Default for FleetConfig {
     fn default() -> Self {
@@ -81,7 +87,21 @@ impl Default for FleetConfig {
             kv_blocks: 32768,
             metrics_names: MetricsNames::Vllm,
             dead: Vec::new(),
+            slow_endpoints: 0,
         }
+    }
+}
+
+impl FleetConfig {
+    /// The timing of the endpoint on `port`: the fleet's, with the prefill rate lowered for
+    /// the first `slow_endpoints`.
+    pub fn timing_for(&self, port: u16) -> Timing {
+        let mut t = self.timing;
+        let index = usize::from(port.saturating_sub(self.base_port));
+        if index < self.slow_endpoints {
+            t.prefill_rate *= SLOW_PREFILL_FACTOR;
+        }
+        t
     }
 }
 

@@ -4,9 +4,14 @@
 //! token budget of `max_num_batched_tokens`: first one token for every running request that
 //! is decoding, then the rest as prefill chunks for the running requests still prefilling,
 //! oldest first (chunked prefill). A step lasts
-//! `prefill_tokens / R_peak + (n_decode > 0) · decode_ms · (1 + decode_batch_slope · (n_decode − 1))`
+//! `prefill_tokens / R_peak + (n_decode > 0) · share · decode_ms · (1 + decode_batch_slope · (n_decode − 1))`
 //! (times the time factor), so a lone prompt prefills at R_peak and decode steps slow down as
-//! the batch grows. The prefix cache is looked up when a request is admitted (at least one
+//! the batch grows. `share` is 1 in a decode-only step and `token_scale` in a step that
+//! also prefills: with scaled tokens, a decode-only step of one simulated token stands for
+//! `1 / token_scale` engine steps, but a prefill chunk is one engine step, during which each
+//! decoding request makes one model token (`token_scale` of a simulated one). Charging a
+//! whole simulated token there would slow prefill `1 / token_scale` times more than the
+//! engine does when prompts and long outputs share an endpoint. The prefix cache is looked up when a request is admitted (at least one
 //! prompt token is always computed, as in vLLM) and filled when its prefill completes; the
 //! first output token comes with the end of prefill, each further one from a decode step.
 
@@ -41,6 +46,9 @@ pub(crate) struct Seq {
     cached: usize,
     computed: usize,
     generated: usize,
+    /// Decode progress towards the next simulated token (steps that also prefill advance
+    /// it by `token_scale`).
+    progress: f64,
 }
 
 impl Seq {
@@ -58,6 +66,7 @@ impl Seq {
             cached: 0,
             computed: 0,
             generated: 0,
+            progress: 0.0,
         }
     }
 
@@ -84,6 +93,16 @@ pub(crate) struct Scheduler {
     started: std::sync::atomic::AtomicBool,
 }
 
+/// Share of a simulated token each decoding request makes in a step: a whole one in a
+/// decode-only step, `token_scale` of one in a step that also prefills.
+pub fn decode_share(t: &Timing, prefill_tokens: usize) -> f64 {
+    if prefill_tokens > 0 {
+        t.token_scale.clamp(f64::MIN_POSITIVE, 1.0)
+    } else {
+        1.0
+    }
+}
+
 /// Duration of one step in model time.
 pub fn step_duration(t: &Timing, prefill_tokens: usize, n_decode: usize) -> f64 {
     let prefill = if t.prefill_rate > 0.0 {
@@ -92,11 +111,19 @@ pub fn step_duration(t: &Timing, prefill_tokens: usize, n_decode: usize) -> f64 
         0.0
     };
     let decode = if n_decode > 0 {
-        t.decode_ms_per_token / 1000.0 * (1.0 + t.decode_batch_slope * (n_decode - 1) as f64)
+        decode_share(t, prefill_tokens) * t.decode_ms_per_token / 1000.0
+            * (1.0 + t.decode_batch_slope * (n_decode - 1) as f64)
     } else {
         0.0
     };
     prefill + decode
+}
+
+/// Prefill tokens left in a step's budget once each decoding request took its share (one
+/// model token: `token_scale` of a simulated one, rounded up over the batch).
+fn prefill_budget(t: &Timing, n_decode: usize) -> usize {
+    let decode = (n_decode as f64 * t.token_scale.clamp(0.0, 1.0)).ceil() as usize;
+    t.max_num_batched_tokens.max(1).saturating_sub(decode)
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -121,7 +148,7 @@ impl Scheduler {
 
 async fn run(ep: Arc<Endpoint>) {
     let sched = &ep.sched;
-    let t = ep.cfg.timing;
+    let t = ep.cfg.timing_for(ep.port);
     let tf = t.time_factor.max(0.0);
     let mut clock = Instant::now();
     loop {
@@ -160,7 +187,7 @@ async fn run(ep: Arc<Endpoint>) {
                 None
             } else {
                 let n_decode = q.running.iter().filter(|s| s.decoding()).count();
-                let mut budget = t.max_num_batched_tokens.max(1).saturating_sub(n_decode);
+                let mut budget = prefill_budget(&t, n_decode);
                 let mut prefill = 0;
                 for s in q.running.iter_mut().filter(|s| !s.decoding()) {
                     if budget == 0 {
@@ -185,6 +212,7 @@ async fn run(ep: Arc<Endpoint>) {
             clock = now;
         }
         let step = step_duration(&t, prefill_tokens, n_decode) * tf;
+        let share = decode_share(&t, prefill_tokens);
         if step.is_finite() && step > 0.0 {
             clock += Duration::from_secs_f64(step);
         }
@@ -195,9 +223,14 @@ async fn run(ep: Arc<Endpoint>) {
         let mut q = lock(&sched.queues);
         q.running.retain_mut(|s| {
             if s.decoding() {
-                s.generated += 1;
-                let _ = s.tx.send(Event::Token);
-                ep.generation_tokens.fetch_add(1, Ordering::Relaxed);
+                s.progress += share;
+                // A float sum of shares may land a hair under 1.
+                if s.progress >= 1.0 - 1e-9 {
+                    s.progress = (s.progress - 1.0).max(0.0);
+                    s.generated += 1;
+                    let _ = s.tx.send(Event::Token);
+                    ep.generation_tokens.fetch_add(1, Ordering::Relaxed);
+                }
             } else if s.computed >= s.tokens {
                 lock(&ep.cache).insert(&s.hashes);
                 ep.prefix_queries
@@ -236,5 +269,32 @@ mod tests {
         assert!((one - 0.005).abs() < 1e-12);
         assert!(step_duration(&t, 0, 101) > one * 1.2);
         assert!(step_duration(&t, 100, 10) > step_duration(&t, 0, 10));
+    }
+
+    /// Scaled to 0.02, a step that prefills a full budget costs what the unscaled engine's
+    /// step does (0.4 s + one 5 ms decode step), not 0.4 s + a 250 ms simulated token, and
+    /// its decoders make a fiftieth of a token.
+    #[test]
+    fn a_scaled_prefill_step_carries_one_model_decode_step() {
+        let scale = 0.02;
+        let t = Timing {
+            prefill_rate: 20480.0 * scale,
+            decode_ms_per_token: 5.0 / scale,
+            max_num_batched_tokens: (8192.0 * scale) as usize,
+            token_scale: scale,
+            ..Timing::default()
+        };
+        let unscaled = Timing::default();
+        let full = t.max_num_batched_tokens;
+        let scaled = step_duration(&t, full, 1);
+        let engine = step_duration(&unscaled, unscaled.max_num_batched_tokens, 1);
+        assert!((scaled - engine).abs() < 0.01, "{scaled} vs {engine}");
+        assert!((decode_share(&t, full) - scale).abs() < 1e-12);
+        // Decode-only steps are whole simulated tokens, as before.
+        assert_eq!(decode_share(&t, 0), 1.0);
+        assert!((step_duration(&t, 0, 1) - 0.25).abs() < 1e-12);
+        // Ten decoders take one budget token (10 × 0.02 rounded up), not ten.
+        assert_eq!(prefill_budget(&t, 10), full - 1);
+        assert_eq!(prefill_budget(&unscaled, 10), 8192 - 10);
     }
 }

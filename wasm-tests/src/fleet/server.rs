@@ -24,7 +24,7 @@ use super::{FleetConfig, MetricsNames, MODEL};
 const MAX_BODY_BYTES: usize = 64 << 20;
 
 pub(crate) struct Endpoint {
-    port: u16,
+    pub(crate) port: u16,
     pub(crate) cfg: Arc<FleetConfig>,
     endpoint_header: HeaderValue,
     pub(crate) cache: Mutex<PrefixCache>,

@@ -25,6 +25,12 @@ pub struct Timing {
     /// Growth of a decode step's time per extra decoding request: a step with `n` decoding
     /// requests takes `decode_ms_per_token · (1 + slope · (n − 1))`.
     pub decode_batch_slope: f64,
+    /// Model tokens per simulated token (the bench's scale; 1 = unscaled). A simulated
+    /// token stands for `1 / token_scale` model tokens, so one decode step of the simulated
+    /// token is that many model steps. A step that also prefills is one model step: its
+    /// decoding requests advance `token_scale` of a token and it costs that share of a
+    /// decode step (see `sched`), as in the unscaled engine.
+    pub token_scale: f64,
 }
 
 impl Default for Timing {
@@ -36,6 +42,7 @@ impl Default for Timing {
             max_num_batched_tokens: 8192,
             max_num_seqs: 256,
             decode_batch_slope: 0.005,
+            token_scale: 1.0,
         }
     }
 }

@@ -28,14 +28,27 @@ pub enum WorkloadKind {
     /// llm-d's shared_prefix: 150 system prompts of 6,000 tokens × 5 questions of 1,200,
     /// 1,000 out, shuffled once and cycled.
     B2bSaas,
+    /// Code-generation and reasoning interleaved, the mix shifting every [`MIX_PHASE`]
+    /// requests between mostly one and mostly the other (issue 7's unknown bottleneck).
+    /// Opt-in: not in [`WorkloadKind::ALL`], the full benchmark's set.
+    Mixed,
 }
 
 impl WorkloadKind {
+    /// The full benchmark's workloads.
     pub const ALL: [WorkloadKind; 4] = [
         WorkloadKind::SeedSim,
         WorkloadKind::CodeGeneration,
         WorkloadKind::Reasoning,
         WorkloadKind::B2bSaas,
+    ];
+    /// Every workload, the opt-in ones included.
+    pub const EVERY: [WorkloadKind; 5] = [
+        WorkloadKind::SeedSim,
+        WorkloadKind::CodeGeneration,
+        WorkloadKind::Reasoning,
+        WorkloadKind::B2bSaas,
+        WorkloadKind::Mixed,
     ];
 
     pub fn name(self) -> &'static str {
@@ -44,11 +57,12 @@ impl WorkloadKind {
             WorkloadKind::CodeGeneration => "code-generation",
             WorkloadKind::Reasoning => "reasoning",
             WorkloadKind::B2bSaas => "b2b-saas",
+            WorkloadKind::Mixed => "mixed",
         }
     }
 
     pub fn parse(s: &str) -> Option<WorkloadKind> {
-        Self::ALL.into_iter().find(|k| k.name() == s)
+        Self::EVERY.into_iter().find(|k| k.name() == s)
     }
 
     /// Endpoints the workload is defined for.
@@ -76,6 +90,11 @@ impl WorkloadKind {
             WorkloadKind::CodeGeneration => 55_000.0 + 2.5 * 2_300.0 + 1_500.0,
             WorkloadKind::Reasoning => 1_250.0,
             WorkloadKind::B2bSaas => 7_200.0,
+            // Half of each over a whole number of phase pairs.
+            WorkloadKind::Mixed => {
+                0.5 * (WorkloadKind::CodeGeneration.mean_prompt_tokens()
+                    + WorkloadKind::Reasoning.mean_prompt_tokens())
+            }
         }
     }
 }
@@ -173,6 +192,12 @@ struct Conv {
     turns: usize,
 }
 
+/// mixed: requests per phase; phases alternate between [`MIX_MAJOR`] code-generation and
+/// [`MIX_MAJOR`] reasoning.
+pub const MIX_PHASE: usize = 32;
+/// mixed: the majority kind's share within a phase.
+pub const MIX_MAJOR: f64 = 0.8;
+
 /// Active conversations of code-generation (inference-perf's catalog: 20).
 pub const CODEGEN_CONVERSATIONS: usize = 20;
 /// seed-sim groups and Zipf exponent.
@@ -225,8 +250,23 @@ impl Gen {
             .clone()
     }
 
+    /// The kind of request `index` is: the workload's own, or for mixed a draw weighted by
+    /// the phase `index` falls in.
+    fn kind_of(&mut self, index: usize) -> WorkloadKind {
+        if self.w.kind != WorkloadKind::Mixed {
+            return self.w.kind;
+        }
+        let code_phase = (index / MIX_PHASE).is_multiple_of(2);
+        let major = self.rng.gen_bool(MIX_MAJOR);
+        if code_phase == major {
+            WorkloadKind::CodeGeneration
+        } else {
+            WorkloadKind::Reasoning
+        }
+    }
+
     fn next(&mut self, index: usize) -> Item {
-        let (group, messages, out) = match self.w.kind {
+        let (group, messages, out) = match self.kind_of(index) {
             WorkloadKind::SeedSim => {
                 let u: f64 = self.rng.gen();
                 let g = self
@@ -271,7 +311,7 @@ impl Gen {
                     self.w.tokens(n_out),
                 )
             }
-            WorkloadKind::CodeGeneration => self.codegen_turn(),
+            WorkloadKind::CodeGeneration | WorkloadKind::Mixed => self.codegen_turn(),
         };
         let max_tokens = out.clamp(1, MAX_OUTPUT_TOKENS);
         let prompt_bytes: usize = messages.iter().map(|(r, c)| r.len() + c.len() + 2).sum();
@@ -396,7 +436,7 @@ mod tests {
 
     #[test]
     fn plans_are_deterministic_and_prefix_stable() {
-        for kind in WorkloadKind::ALL {
+        for kind in WorkloadKind::EVERY {
             let w = Workload::new(kind, 0.01, 7);
             let a = w.plan(40);
             let b = w.plan(60);
@@ -502,8 +542,34 @@ mod tests {
     }
 
     #[test]
+    fn mixed_interleaves_and_shifts_by_phase() {
+        let items = Workload::new(WorkloadKind::Mixed, 0.05, 4).plan(8 * MIX_PHASE);
+        let reasoning = |i: &Item| i.group.starts_with('r');
+        for (p, phase) in items.chunks(MIX_PHASE).enumerate() {
+            let r = phase.iter().filter(|i| reasoning(i)).count();
+            // Each phase holds both kinds, mostly the phase's own.
+            if p.is_multiple_of(2) {
+                assert!(r > 0 && r < MIX_PHASE / 2, "phase {p}: {r} reasoning");
+            } else {
+                assert!(
+                    r > MIX_PHASE / 2 && r < MIX_PHASE,
+                    "phase {p}: {r} reasoning"
+                );
+            }
+        }
+        // The code-generation part still grows its conversations turn by turn.
+        let mut last: HashMap<&str, usize> = HashMap::new();
+        for i in items.iter().filter(|i| !reasoning(i)) {
+            if let Some(prev) = last.insert(&i.group, i.prompt_tokens) {
+                assert!(i.prompt_tokens > prev, "{}", i.group);
+            }
+        }
+        assert!(items.iter().any(|i| reasoning(i) && i.max_tokens >= 100));
+    }
+
+    #[test]
     fn names_round_trip() {
-        for k in WorkloadKind::ALL {
+        for k in WorkloadKind::EVERY {
             assert_eq!(WorkloadKind::parse(k.name()), Some(k));
         }
         assert_eq!(WorkloadKind::parse("nope"), None);
