@@ -68,7 +68,8 @@ struct Args {
     /// Short ladders (one workload unless --workload is given): a few minutes in all.
     #[arg(long)]
     quick: bool,
-    /// Workloads to run (repeatable; default: all four, or b2b-saas with --quick).
+    /// Workloads to run (repeatable; default: all four, or b2b-saas with --quick; `mixed` is
+    /// opt-in).
     #[arg(long)]
     workload: Vec<String>,
     /// Targets to run (comma-separated; default: all).

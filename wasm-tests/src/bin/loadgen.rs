@@ -46,7 +46,7 @@ struct Args {
     /// Base URL (http://127.0.0.1:PORT) or the full chat/completions URL (required).
     #[arg(long)]
     url: Option<String>,
-    /// seed-sim, code-generation, reasoning or b2b-saas.
+    /// seed-sim, code-generation, reasoning, b2b-saas or mixed.
     #[arg(long, default_value = "b2b-saas")]
     workload: String,
     /// Multiplier on every token count (prompt parts and outputs).

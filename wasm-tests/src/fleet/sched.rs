@@ -11,9 +11,11 @@
 //! `1 / token_scale` engine steps, but a prefill chunk is one engine step, during which each
 //! decoding request makes one model token (`token_scale` of a simulated one). Charging a
 //! whole simulated token there would slow prefill `1 / token_scale` times more than the
-//! engine does when prompts and long outputs share an endpoint. The prefix cache is looked up when a request is admitted (at least one
-//! prompt token is always computed, as in vLLM) and filled when its prefill completes; the
-//! first output token comes with the end of prefill, each further one from a decode step.
+//! engine does when prompts and long outputs share an endpoint.
+//!
+//! The prefix cache is looked up when a request is admitted (at least one prompt token is
+//! always computed, as in vLLM) and filled when its prefill completes; the first output
+//! token comes with the end of prefill, each further one from decode steps.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
