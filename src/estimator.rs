@@ -192,8 +192,9 @@ impl Record {
 
     /// One request's prefill, from dispatch to first byte. The rate: the endpoint had a
     /// prefill pending over the union of such intervals; first bytes arrive in time order,
-    /// so the union grows by the part of this interval past the watermark.
-    fn observe(&mut self, sample: &TtftSample) {
+    /// so the union grows by the part of this interval past the watermark. Returns whether
+    /// the sample counted (no outlier).
+    fn observe_busy(&mut self, sample: &TtftSample) -> bool {
         let (start, end) = (sample.dispatch_ms as f64, sample.first_byte_ms as f64);
         let busy = (end - start.max(self.watermark_ms)).max(0.0) / 1000.0;
         let tokens = sample.uncached as f64;
@@ -215,9 +216,29 @@ impl Record {
             // it would then look infinitely fast.
             self.watermark_ms = self.watermark_ms.max(end);
         }
+        !outlier
+    }
+
+    /// The served uncached tokens differ from the prediction the rate counted at the first
+    /// byte by `delta`.
+    fn correct_tokens(&mut self, delta: f64) {
+        if delta.is_finite() {
+            self.tokens = (self.tokens + delta).max(1.0);
+        }
+    }
+
+    /// The overhead fit and the sample counts (at `usage`, with the served tokens).
+    fn observe_fit(&mut self, sample: &TtftSample) {
         self.fit_overhead(sample);
         self.observations = self.observations * LAMBDA + 1.0;
         self.total += 1.0;
+    }
+
+    /// Both halves at once, for a sample whose served tokens are known at its first byte.
+    #[cfg(test)]
+    fn observe(&mut self, sample: &TtftSample) {
+        self.observe_busy(sample);
+        self.observe_fit(sample);
     }
 
     /// Weighted RLS with forgetting of `ttft − W/R̂` on (1, A).
@@ -359,19 +380,48 @@ impl Estimator {
         s.set(&self.key(slot), &[], None)
     }
 
-    /// A streamed request's first byte.
+    /// A streamed request's first byte, with the uncached tokens the index predicted: the
+    /// time the endpoint had a prefill pending is a union of dispatch → first-byte intervals,
+    /// which only first bytes in time order can build (a sample held until its stream ends
+    /// arrives out of order: a long answer's would count no busy time for all its tokens).
+    /// Returns whether the sample counted towards the rate (it was no outlier); `usage`
+    /// corrects its tokens later ([`Estimator::observe_ttft`]).
+    pub fn observe_first_byte<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        sample: &TtftSample,
+    ) -> Result<bool, StoreError> {
+        if sample.first_byte_ms < sample.dispatch_ms {
+            return Ok(false);
+        }
+        update(s, &self.key(slot), |old| {
+            let mut r = Record::decode(old, self.prior_rate);
+            let counted = r.observe_busy(sample);
+            Some((r.encode(), counted))
+        })
+        .map(|c| c.unwrap_or(false))
+    }
+
+    /// The whole TTFT sample, once `usage` told the tokens the server prefilled: it fits the
+    /// overhead terms and, when its first byte counted towards the rate with `predicted`
+    /// uncached tokens, moves the rate's tokens by what the prediction was off.
     pub fn observe_ttft<S: SharedStore + ?Sized>(
         &self,
         s: &S,
         slot: u16,
         sample: &TtftSample,
+        predicted: Option<u64>,
     ) -> Result<(), StoreError> {
         if sample.first_byte_ms < sample.dispatch_ms {
             return Ok(());
         }
         update(s, &self.key(slot), |old| {
             let mut r = Record::decode(old, self.prior_rate);
-            r.observe(sample);
+            if let Some(p) = predicted {
+                r.correct_tokens(sample.uncached as f64 - p as f64);
+            }
+            r.observe_fit(sample);
             Some((r.encode(), ()))
         })
         .map(|_| ())
@@ -522,8 +572,63 @@ mod tests {
                 uncached: own,
                 active: in_system.len() as u64 - 1,
             };
-            e.observe_ttft(s, 3, &sample).unwrap();
+            both_halves(e, s, 3, &sample);
         }
+    }
+
+    /// A sample whose served tokens are what the index predicted: first byte, then usage.
+    fn both_halves(e: &Estimator, s: &MemStore, slot: u16, sample: &TtftSample) {
+        let counted = e.observe_first_byte(s, slot, sample).unwrap();
+        let predicted = counted.then_some(sample.uncached);
+        e.observe_ttft(s, slot, sample, predicted).unwrap();
+    }
+
+    /// Usage arrives when a stream ends, long answers last: the rate must not depend on
+    /// that order. Two requests prefill back to back on an endpoint at 10,000 tok/s; the
+    /// first one's answer ends last.
+    #[test]
+    fn the_rate_holds_when_usage_comes_out_of_order() {
+        let s = MemStore::new();
+        let e = Estimator::new("t", 10_000.0, 4.0);
+        for k in 0..100u64 {
+            let t0 = k * 10_000;
+            let a = TtftSample {
+                dispatch_ms: t0,
+                first_byte_ms: t0 + 1_000,
+                ahead: 0,
+                uncached: 10_000,
+                active: 0,
+            };
+            let b = TtftSample {
+                dispatch_ms: t0,
+                first_byte_ms: t0 + 2_000,
+                ahead: 10_000,
+                uncached: 10_000,
+                active: 1,
+            };
+            // The index predicted half of each cached; the server had nothing.
+            let counted_a = e.observe_first_byte(
+                &s,
+                3,
+                &TtftSample {
+                    uncached: 5_000,
+                    ..a
+                },
+            );
+            let counted_b = e.observe_first_byte(
+                &s,
+                3,
+                &TtftSample {
+                    uncached: 5_000,
+                    ..b
+                },
+            );
+            let (ca, cb) = (counted_a.unwrap(), counted_b.unwrap());
+            e.observe_ttft(&s, 3, &b, cb.then_some(5_000)).unwrap();
+            e.observe_ttft(&s, 3, &a, ca.then_some(5_000)).unwrap();
+        }
+        let est = e.read(&s, 3).unwrap();
+        assert!(error(&est, 10_000.0) < 0.05, "{est:?}");
     }
 
     fn error(est: &Estimate, truth: f64) -> f64 {
@@ -592,10 +697,11 @@ mod tests {
         for i in 0..5 {
             sample.dispatch_ms = i * 1_000;
             sample.first_byte_ms = i * 1_000 + 500;
-            e.observe_ttft(&s, 1, &sample).unwrap();
+            both_halves(&e, &s, 1, &sample);
         }
         sample.first_byte_ms = 0; // before its dispatch: ignored
-        e.observe_ttft(&s, 1, &sample).unwrap();
+        assert_eq!(e.observe_first_byte(&s, 1, &sample), Ok(false));
+        e.observe_ttft(&s, 1, &sample, None).unwrap();
         let est = e.read(&s, 1).unwrap();
         assert!(!est.learned);
         assert_eq!(est.rate, 15_000.0);

@@ -58,6 +58,18 @@ pub struct Routed {
     /// The TTFT sample, held from the first byte until `usage` says how many prompt tokens
     /// the server really had to prefill (or the request ends without it).
     pending_ttft: Option<TtftSample>,
+    /// The uncached tokens the rate counted at the first byte (the index's prediction),
+    /// when it counted the sample: `usage` corrects them.
+    rate_counted: Option<u64>,
+}
+
+/// What failed at a request's first byte.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FirstByteError {
+    /// The ledger could not release the prefill tokens.
+    Release(StoreError),
+    /// The TTFT sample's busy time could not be stored (the release happened).
+    Estimate(StoreError),
 }
 
 /// How a request ended.
@@ -238,6 +250,7 @@ impl Router {
             ttft_sample: true,
             first_byte_seen: false,
             pending_ttft: None,
+            rate_counted: None,
         })
     }
 
@@ -352,23 +365,33 @@ impl Router {
         s: &S,
         r: &mut Routed,
         now_ms: u64,
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), FirstByteError> {
         if r.first_byte_seen {
             return Ok(());
         }
         r.first_byte_seen = true;
-        let released = self.ledger.release_prefill(s, &mut r.charge);
+        let released = self
+            .ledger
+            .release_prefill(s, &mut r.charge)
+            .map_err(FirstByteError::Release);
         // Without learning nothing reads the estimates: no store work for them.
-        if r.ttft_sample && self.cfg.learns() {
-            r.pending_ttft = Some(TtftSample {
-                dispatch_ms: r.dispatch_ms,
-                first_byte_ms: now_ms,
-                ahead: r.ahead.tokens,
-                uncached: r.uncached,
-                active: r.ahead.requests,
-            });
+        if !(r.ttft_sample && self.cfg.learns()) {
+            return released;
         }
-        released
+        let sample = TtftSample {
+            dispatch_ms: r.dispatch_ms,
+            first_byte_ms: now_ms,
+            ahead: r.ahead.tokens,
+            uncached: r.uncached,
+            active: r.ahead.requests,
+        };
+        r.pending_ttft = Some(sample);
+        let counted = self.estimator.observe_first_byte(s, r.charge.slot, &sample);
+        r.rate_counted = counted
+            .as_ref()
+            .is_ok_and(|c| *c)
+            .then_some(sample.uncached);
+        released.and(counted.map(|_| ()).map_err(FirstByteError::Estimate))
     }
 
     /// Records the held TTFT sample, with the tokens the server prefilled when `usage` told
@@ -386,7 +409,9 @@ impl Router {
         if let Some(u) = served_uncached {
             sample.uncached = u;
         }
-        self.estimator.observe_ttft(s, r.charge.slot, &sample)
+        let predicted = r.rate_counted.take();
+        self.estimator
+            .observe_ttft(s, r.charge.slot, &sample, predicted)
     }
 
     /// `usage` of the answer: the served prompt tokens (against `prompt_bytes` of canonical
@@ -606,7 +631,10 @@ mod tests {
         let chain = r.hash(&chat(&"x".repeat(40_000), "q"));
         let mut routed = r.route(&s, &t.endpoints, &chain, 10_000, 0).unwrap();
         let slot = routed.charge.slot;
-        assert_eq!(r.first_byte(&s, &mut routed, 500), Ok(()));
+        assert_eq!(
+            r.first_byte(&s, &mut routed, 500),
+            Err(FirstByteError::Estimate(StoreError::Host))
+        );
         assert_eq!(r.ledger.load(&s, slot, 600).unwrap().prefilling, 0);
         assert_eq!(r.ledger.load(&s, slot, 600).unwrap().requests, 1);
         // The held sample cannot be stored: lost, and the release still happens.

@@ -16,7 +16,7 @@ use super::usage;
 use super::vm::Vm;
 use crate::estimator::CacheCheck;
 use crate::request::{parse, ApiKind, ParseLimits};
-use crate::router::{Outcome, RouteError, Routed};
+use crate::router::{FirstByteError, Outcome, RouteError, Routed};
 
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 pub const DESTINATION_SERVED: &str = "x-gateway-destination-endpoint-served";
@@ -290,12 +290,10 @@ impl HttpFilter {
         if !slot_is_ours(h, vm, routed) {
             return;
         }
-        let released = match vm.router.try_borrow() {
-            Ok(r) => r.first_byte(h, routed, now).is_ok(),
-            Err(_) => false,
-        };
-        if !released {
-            vm.stats.inc(h, Counter::ReleaseErrors);
+        match vm.router.try_borrow().map(|r| r.first_byte(h, routed, now)) {
+            Ok(Ok(())) => {}
+            Ok(Err(FirstByteError::Estimate(_))) => vm.stats.inc(h, Counter::EstimateErrors),
+            Ok(Err(FirstByteError::Release(_))) | Err(_) => vm.stats.inc(h, Counter::ReleaseErrors),
         }
     }
 
