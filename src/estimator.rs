@@ -227,6 +227,30 @@ impl Record {
         }
     }
 
+    /// Moves the capacity share by a cache check; returns the new share when it changed.
+    /// Multiplicative decrease, slow additive recovery: a miss is strong evidence the server
+    /// evicted what the index thinks it holds; a hit only says "not yet".
+    fn check_cache(&mut self, check: CacheCheck) -> Option<f64> {
+        let missed = match check {
+            CacheCheck::NotPredicted => return None,
+            CacheCheck::Held => false,
+            CacheCheck::Missed => true,
+        };
+        let before = self.capacity_share;
+        self.capacity_share = if missed {
+            (before * 0.9).max(MIN_CAPACITY_SHARE)
+        } else {
+            (before + 0.01).min(1.0)
+        };
+        let (c, m) = self.checks_and_misses;
+        self.checks_and_misses = (
+            c.saturating_add(1).min(0xFFFF),
+            m.saturating_add(missed as u32),
+        );
+        let changed = (self.capacity_share - before).abs() > f64::EPSILON;
+        changed.then_some(self.capacity_share)
+    }
+
     /// The overhead fit and the sample counts (at `usage`, with the served tokens).
     fn observe_fit(&mut self, sample: &TtftSample) {
         self.fit_overhead(sample);
@@ -403,9 +427,8 @@ impl Estimator {
         .map(|c| c.unwrap_or(false))
     }
 
-    /// The whole TTFT sample, once `usage` told the tokens the server prefilled: it fits the
-    /// overhead terms and, when its first byte counted towards the rate with `predicted`
-    /// uncached tokens, moves the rate's tokens by what the prediction was off.
+    /// The whole TTFT sample, once `usage` told the tokens the server prefilled (see
+    /// [`Estimator::observe_served`]).
     pub fn observe_ttft<S: SharedStore + ?Sized>(
         &self,
         s: &S,
@@ -413,18 +436,8 @@ impl Estimator {
         sample: &TtftSample,
         predicted: Option<u64>,
     ) -> Result<(), StoreError> {
-        if sample.first_byte_ms < sample.dispatch_ms {
-            return Ok(());
-        }
-        update(s, &self.key(slot), |old| {
-            let mut r = Record::decode(old, self.prior_rate);
-            if let Some(p) = predicted {
-                r.correct_tokens(sample.uncached as f64 - p as f64);
-            }
-            r.observe_fit(sample);
-            Some((r.encode(), ()))
-        })
-        .map(|_| ())
+        self.observe_served(s, slot, Some((sample, predicted)), CacheCheck::NotPredicted)
+            .map(|_| ())
     }
 
     /// `usage` of a finished request: checks the index's predicted cached tokens against
@@ -439,29 +452,38 @@ impl Estimator {
         block_tokens: u64,
     ) -> Result<(CacheCheck, Option<f64>), StoreError> {
         let check = cache_check(predicted_cached, reported_cached, block_tokens);
-        if check == CacheCheck::NotPredicted {
-            return Ok((check, None));
+        Ok((check, self.observe_served(s, slot, None, check)?))
+    }
+
+    /// What a served answer teaches one endpoint's record, in one update: the held TTFT
+    /// sample with the served uncached tokens (it fits the overhead terms and, when its
+    /// first byte counted towards the rate with `predicted` uncached tokens, moves the
+    /// rate's tokens by what the prediction was off), and the cache check (a miss lowers the
+    /// capacity share, a held prediction raises it slowly). Returns the new share when it
+    /// changed.
+    pub fn observe_served<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        ttft: Option<(&TtftSample, Option<u64>)>,
+        check: CacheCheck,
+    ) -> Result<Option<f64>, StoreError> {
+        let ttft = ttft.filter(|(t, _)| t.first_byte_ms >= t.dispatch_ms);
+        if ttft.is_none() && check == CacheCheck::NotPredicted {
+            return Ok(None);
         }
-        let missed = check == CacheCheck::Missed;
         let out = update(s, &self.key(slot), |old| {
             let mut r = Record::decode(old, self.prior_rate);
-            let before = r.capacity_share;
-            // Multiplicative decrease, slow additive recovery: a miss is strong evidence the
-            // server evicted what the index thinks it holds; a hit only says "not yet".
-            r.capacity_share = if missed {
-                (before * 0.9).max(MIN_CAPACITY_SHARE)
-            } else {
-                (before + 0.01).min(1.0)
-            };
-            let (c, m) = r.checks_and_misses;
-            r.checks_and_misses = (
-                c.saturating_add(1).min(0xFFFF),
-                m.saturating_add(missed as u32),
-            );
-            let changed = (r.capacity_share - before).abs() > f64::EPSILON;
-            Some((r.encode(), changed.then_some(r.capacity_share)))
+            if let Some((sample, predicted)) = ttft {
+                if let Some(p) = predicted {
+                    r.correct_tokens(sample.uncached as f64 - p as f64);
+                }
+                r.observe_fit(sample);
+            }
+            let share = r.check_cache(check);
+            Some((r.encode(), share))
         })?;
-        Ok((check, out.flatten()))
+        Ok(out.flatten())
     }
 
     /// Bytes per token of `model`, learned from usage; the prior until some data arrived.

@@ -394,24 +394,19 @@ impl Router {
         released.and(counted.map(|_| ()).map_err(FirstByteError::Estimate))
     }
 
-    /// Records the held TTFT sample, with the tokens the server prefilled when `usage` told
-    /// them (prompt − cached), else the index's prediction: a hit the index predicted but
-    /// the server had evicted would otherwise teach a rate far too low.
-    fn record_ttft<S: SharedStore + ?Sized>(
-        &self,
-        s: &S,
+    /// The held TTFT sample, with the tokens the server prefilled when `usage` told them
+    /// (prompt − cached), else the index's prediction (a hit the index predicted but the
+    /// server had evicted would otherwise teach a rate far too low), and the uncached tokens
+    /// the rate counted at the first byte. Taken once.
+    fn take_ttft(
         r: &mut Routed,
         served_uncached: Option<u64>,
-    ) -> Result<(), StoreError> {
-        let Some(mut sample) = r.pending_ttft.take() else {
-            return Ok(());
-        };
+    ) -> Option<(TtftSample, Option<u64>)> {
+        let mut sample = r.pending_ttft.take()?;
         if let Some(u) = served_uncached {
             sample.uncached = u;
         }
-        let predicted = r.rate_counted.take();
-        self.estimator
-            .observe_ttft(s, r.charge.slot, &sample, predicted)
+        Some((sample, r.rate_counted.take()))
     }
 
     /// `usage` of the answer: the served prompt tokens (against `prompt_bytes` of canonical
@@ -428,22 +423,21 @@ impl Router {
     ) -> Result<CacheCheck, StoreError> {
         let predicted = r.tokens.saturating_sub(r.uncached);
         let block_tokens = u64::from(self.cfg.block_size_tokens);
+        let check = cached_tokens.map_or(CacheCheck::NotPredicted, |c| {
+            cache_check(predicted, c, block_tokens)
+        });
+        // The check still counts in the stats; only learning needs the shared estimates.
         if !self.cfg.learns() {
-            // The check still counts in the stats; only learning needs the shared estimates.
-            return Ok(cached_tokens.map_or(CacheCheck::NotPredicted, |c| {
-                cache_check(predicted, c, block_tokens)
-            }));
+            return Ok(check);
         }
         self.estimator
             .observe_bytes_per_token(s, model, prompt_bytes, prompt_tokens)?;
         let served = cached_tokens.map(|c| prompt_tokens.saturating_sub(c));
-        self.record_ttft(s, r, served.filter(|_| prompt_tokens > 0))?;
-        let Some(cached) = cached_tokens else {
-            return Ok(CacheCheck::NotPredicted);
-        };
-        let (check, share) =
-            self.estimator
-                .observe_cache(s, r.charge.slot, predicted, cached, block_tokens)?;
+        let ttft = Self::take_ttft(r, served.filter(|_| prompt_tokens > 0));
+        let ttft = ttft.as_ref().map(|(sample, counted)| (sample, *counted));
+        let share = self
+            .estimator
+            .observe_served(s, r.charge.slot, ttft, check)?;
         if let Some(share) = share {
             let blocks = ((r.capacity_blocks as f64 * share) as u64).max(1);
             self.index.set_capacity(s, r.charge.slot, blocks)?;
@@ -460,7 +454,11 @@ impl Router {
     ) -> Result<(), StoreError> {
         // No `usage` came: the sample counts with the predicted uncached tokens. Best effort:
         // a lost sample only slows the learning, and must not fail the release.
-        let _ = self.record_ttft(s, r, None);
+        if let Some((sample, counted)) = Self::take_ttft(r, None) {
+            let _ = self
+                .estimator
+                .observe_ttft(s, r.charge.slot, &sample, counted);
+        }
         if outcome == Outcome::FailedEarly && !r.first_byte_seen && !r.receipt.written.is_empty() {
             let receipt = std::mem::take(&mut r.receipt);
             self.index.rollback(s, &receipt)?;

@@ -26,6 +26,19 @@ fn client() -> reqwest::Client {
         .unwrap()
 }
 
+/// POSTs a completion to one endpoint; it answers 200, naming itself.
+async fn complete(c: &reqwest::Client, ep: &str, body: &Value) -> reqwest::Response {
+    let r = c
+        .post(format!("http://{ep}/v1/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-fleet-endpoint"], ep);
+    r
+}
+
 #[tokio::test]
 async fn cold_then_warm_completion() {
     let f = fleet(3, MetricsNames::Vllm);
@@ -37,15 +50,7 @@ async fn cold_then_warm_completion() {
     let mut usages = Vec::new();
     for _ in 0..2 {
         let t0 = Instant::now();
-        let r = c
-            .post(format!("http://{ep}/v1/completions"))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        assert_eq!(r.headers()["x-fleet-endpoint"], ep.as_str());
-        let v: Value = r.json().await.unwrap();
+        let v: Value = complete(&c, ep, &body).await.json().await.unwrap();
         times.push(t0.elapsed());
         usages.push(v["usage"].clone());
     }
@@ -98,14 +103,7 @@ async fn slow_endpoints_prefill_at_half_rate() {
         let body =
             json!({"model": "sim-model", "prompt": format!("{i}").repeat(81_920), "max_tokens": 1});
         let t0 = Instant::now();
-        let r = c
-            .post(format!("http://{ep}/v1/completions"))
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        r.bytes().await.unwrap();
+        complete(&c, ep, &body).await.bytes().await.unwrap();
         times.push(t0.elapsed().as_secs_f64());
     }
     let (slow, fast) = (times[0], times[1]);
