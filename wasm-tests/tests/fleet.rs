@@ -310,3 +310,51 @@ async fn max_num_seqs_queues_and_decode_slows_with_the_batch() {
     // 40 decoding requests: each step takes 1 + 0.05 × 39 ≈ 2.95× as long.
     assert!(batch > alone * 2, "alone {alone:?}, batch of 40 {batch:?}");
 }
+
+/// The KV pool is shared as in vLLM: a request waits while running ones reserve the room it
+/// needs, and what they reserve is taken from the prefix cache.
+#[tokio::test]
+async fn running_requests_hold_the_kv_pool() {
+    let start = |kv_blocks| {
+        Fleet::start_on_free_ports(FleetConfig {
+            endpoints: 1,
+            timing: Timing {
+                time_factor: 1.0,
+                decode_ms_per_token: 3.0,
+                ..Default::default()
+            },
+            kv_blocks,
+            ..Default::default()
+        })
+        .unwrap()
+    };
+    let c = client();
+    // a reserves 1 + 160 tokens (11 blocks) and b 6 more: with 12 blocks b waits for a's
+    // 159 decode steps (about 0.48 s); with room for both it does not.
+    let pair = |url: String| {
+        let c = c.clone();
+        async move {
+            let (_, (b, _)) = tokio::join!(ttft(&c, &url, "a", 160), async {
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                ttft(&c, &url, "b", 80).await
+            });
+            b
+        }
+    };
+    let roomy = start(64);
+    let free = pair(format!("http://{}/v1/completions", roomy.endpoints()[0])).await;
+    assert!(free < Duration::from_millis(200), "{free:?}");
+    let tight = start(12);
+    let url = format!("http://{}/v1/completions", tight.endpoints()[0]);
+    let waited = pair(url.clone()).await;
+    assert!(waited >= Duration::from_millis(350), "{waited:?}");
+
+    // A 64-token prompt is cached (4 blocks) ...
+    let prompt = "p".repeat(64 * 4 + 4);
+    let cached = |u: &Value| u["prompt_tokens_details"]["cached_tokens"].clone();
+    ttft(&c, &url, &prompt, 1).await;
+    assert_eq!(cached(&ttft(&c, &url, &prompt, 1).await.1), 64);
+    // ... until a request reserving the whole pool (1 + 191 tokens) pushes it out.
+    ttft(&c, &url, "q", 191).await;
+    assert_eq!(cached(&ttft(&c, &url, &prompt, 1).await.1), 0);
+}

@@ -43,10 +43,13 @@ pub fn block_hashes(model: &str, prompt: &[u8]) -> Vec<u64> {
         .collect()
 }
 
-/// LRU set of block hashes with a fixed capacity in blocks.
+/// LRU set of block hashes with a fixed capacity in blocks. As in vLLM, the cache holds
+/// only the blocks running requests do not need: its `limit` is the capacity less their
+/// reservations (see `sched`), and lowering it evicts.
 #[derive(Debug)]
 pub struct PrefixCache {
     capacity: usize,
+    limit: usize,
     clock: u64,
     stamp_of: HashMap<u64, u64>,
     by_stamp: BTreeMap<u64, u64>,
@@ -56,6 +59,7 @@ impl PrefixCache {
     pub fn new(capacity_blocks: usize) -> Self {
         Self {
             capacity: capacity_blocks,
+            limit: capacity_blocks,
             clock: 0,
             stamp_of: HashMap::new(),
             by_stamp: BTreeMap::new(),
@@ -90,10 +94,17 @@ impl PrefixCache {
         self.matched_blocks(hashes).min(max_blocks) * BLOCK_TOKENS
     }
 
+    /// Blocks the cache may hold now: the capacity less what running requests reserve.
+    /// Evicts least recently used blocks beyond it.
+    pub fn set_limit(&mut self, blocks: usize) {
+        self.limit = blocks.min(self.capacity);
+        self.evict();
+    }
+
     /// Insert/refresh all blocks of a prompt (called when its prefill completes), evicting
-    /// least recently used blocks beyond capacity.
+    /// least recently used blocks beyond the limit.
     pub fn insert(&mut self, hashes: &[u64]) {
-        if self.capacity == 0 {
+        if self.limit == 0 {
             return;
         }
         // Tail first, so the head gets the newest stamps and is evicted last.
@@ -104,7 +115,11 @@ impl PrefixCache {
             }
             self.by_stamp.insert(self.clock, h);
         }
-        while self.stamp_of.len() > self.capacity {
+        self.evict();
+    }
+
+    fn evict(&mut self) {
+        while self.stamp_of.len() > self.limit {
             let Some((_, h)) = self.by_stamp.pop_first() else {
                 break;
             };
@@ -180,5 +195,21 @@ mod tests {
         c.insert(&h);
         assert!(c.is_empty());
         assert_eq!(c.capacity(), 0);
+    }
+
+    #[test]
+    fn a_lower_limit_evicts_the_oldest_and_caps_inserts() {
+        let (a, b) = (prompt(1, 64 * 4), prompt(9, 64 * 4));
+        let (ha, hb) = (block_hashes("m", &a), block_hashes("m", &b));
+        let mut c = PrefixCache::new(8);
+        c.insert(&ha);
+        c.insert(&hb);
+        c.set_limit(5);
+        assert_eq!((c.matched_blocks(&ha), c.matched_blocks(&hb)), (1, 4));
+        c.insert(&ha);
+        assert_eq!(c.len(), 5);
+        c.set_limit(100);
+        c.insert(&hb);
+        assert_eq!(c.len(), 8);
     }
 }

@@ -79,6 +79,23 @@ impl Seq {
     fn kv_blocks(&self) -> i64 {
         (self.tokens + self.max_tokens).div_ceil(BLOCK_TOKENS) as i64
     }
+
+    /// Blocks of the pool this request holds outside the prefix cache: its whole output
+    /// (reserved at admission: the fleet knows it, vLLM would preempt instead) and, until
+    /// its prefill completes and the prompt joins the cache, its uncached prompt blocks.
+    fn reserved_blocks(&self, cached: usize) -> usize {
+        let prompt = if self.decoding() {
+            0
+        } else {
+            self.tokens.saturating_sub(cached)
+        };
+        (prompt + self.max_tokens).div_ceil(BLOCK_TOKENS)
+    }
+}
+
+/// Blocks the running requests hold outside the prefix cache.
+fn reserved(running: &[Seq]) -> usize {
+    running.iter().map(|s| s.reserved_blocks(s.cached)).sum()
 }
 
 #[derive(Default)]
@@ -169,14 +186,26 @@ async fn run(ep: Arc<Endpoint>) {
             let before = q.waiting.len();
             q.waiting.retain(|s| !s.tx.is_closed());
             let mut admitted = before - q.waiting.len();
+            let mut held = reserved(&q.running);
+            let pool = ep.cfg.kv_blocks;
             while q.running.len() < t.max_num_seqs.max(1) {
+                let Some(front) = q.waiting.front() else {
+                    break;
+                };
+                let cached = lock(&ep.cache)
+                    .cached_tokens(&front.hashes, front.tokens)
+                    .min(front.tokens.saturating_sub(1));
+                // vLLM admits the head of the queue only when the pool has room for it
+                // (prefix-cache blocks are evictable room); a request alone runs anyway.
+                let need = front.reserved_blocks(cached);
+                if !q.running.is_empty() && held + need > pool {
+                    break;
+                }
                 let Some(mut s) = q.waiting.pop_front() else {
                     break;
                 };
+                held += need;
                 admitted += 1;
-                let cached = lock(&ep.cache)
-                    .cached_tokens(&s.hashes, s.tokens)
-                    .min(s.tokens.saturating_sub(1));
                 s.cached = cached;
                 s.computed = cached;
                 ep.kv_used_blocks
@@ -185,6 +214,7 @@ async fn run(ep: Arc<Endpoint>) {
             }
             ep.waiting.fetch_sub(admitted as i64, Ordering::Relaxed);
             ep.running.store(q.running.len() as i64, Ordering::Relaxed);
+            lock(&ep.cache).set_limit(pool.saturating_sub(held));
             if q.running.is_empty() {
                 None
             } else {
@@ -223,6 +253,7 @@ async fn run(ep: Arc<Endpoint>) {
         }
         // Deliver the step's tokens.
         let mut q = lock(&sched.queues);
+        let mut filled = Vec::new();
         q.running.retain_mut(|s| {
             if s.decoding() {
                 s.progress += share;
@@ -234,7 +265,7 @@ async fn run(ep: Arc<Endpoint>) {
                     ep.generation_tokens.fetch_add(1, Ordering::Relaxed);
                 }
             } else if s.computed >= s.tokens {
-                lock(&ep.cache).insert(&s.hashes);
+                filled.push(std::mem::take(&mut s.hashes));
                 ep.prefix_queries
                     .fetch_add(s.tokens as u64, Ordering::Relaxed);
                 ep.prefix_hits.fetch_add(s.cached as u64, Ordering::Relaxed);
@@ -255,6 +286,14 @@ async fn run(ep: Arc<Endpoint>) {
             }
             !done
         });
+        // Finished prompts join the cache, whose room grew by what they and the finished
+        // requests no longer reserve.
+        let mut cache = lock(&ep.cache);
+        cache.set_limit(ep.cfg.kv_blocks.saturating_sub(reserved(&q.running)));
+        for hashes in &filled {
+            cache.insert(hashes);
+        }
+        drop(cache);
         ep.running.store(q.running.len() as i64, Ordering::Relaxed);
     }
 }
