@@ -12,8 +12,11 @@
 //!   Huber weight (residuals past 3 robust scales count linearly) keeps a stalled or
 //!   mis-predicted request from dragging the fit;
 //! - the cache correction: the share of the configured KV capacity the endpoint really
-//!   keeps, lowered when a predicted hit misses (`usage.prompt_tokens_details.cached_tokens`
-//!   below the index's prediction) and raised slowly when predictions hold.
+//!   keeps. A predicted hit that misses (`usage.prompt_tokens_details.cached_tokens` below
+//!   the index's prediction) at LRU stack distance `d` says the server keeps less than `d`:
+//!   the share moves halfway down to `d`, never below it; held predictions raise it slowly.
+//!   A prefix sent there within T_max may still have been prefilling when the miss came,
+//!   so its miss moves nothing.
 //!
 //! Per model (hashed into a fixed set of keys): bytes per token, from `usage.prompt_tokens`
 //! against the canonical prompt bytes.
@@ -43,6 +46,10 @@ const RATE_RANGE: f64 = 16.0;
 const P_TRACE_MAX: f64 = 1e4;
 /// Smallest share of the configured capacity the cache correction goes down to.
 const MIN_CAPACITY_SHARE: f64 = 1.0 / 16.0;
+/// Share of the way to a miss's depth the capacity share moves, and its rise per held
+/// prediction.
+const MISS_STEP: f64 = 0.5;
+const HELD_STEP: f64 = 0.01;
 const MODEL_KEYS: u64 = 64;
 
 const FIELDS: usize = 12;
@@ -228,20 +235,26 @@ impl Record {
     }
 
     /// Moves the capacity share by a cache check; returns the new share when it changed.
-    /// Multiplicative decrease, slow additive recovery: a miss is strong evidence the server
-    /// evicted what the index thinks it holds; a hit only says "not yet".
-    fn check_cache(&mut self, check: CacheCheck) -> Option<f64> {
+    /// `depth` is the predicted prefix's LRU stack distance on the endpoint as a share of
+    /// its configured capacity. A miss at that depth says the server keeps less than it:
+    /// the share moves halfway there, never below (a miss cannot say by how much less, and
+    /// lowering the share further would forget prefixes the server still holds). A miss of
+    /// unknown depth (a prefix that may still have been prefilling) moves nothing. A held
+    /// prediction only says "not yet": a slow rise, which lets entries past the share live
+    /// again and be tested.
+    fn check_cache(&mut self, check: CacheCheck, depth: Option<f64>) -> Option<f64> {
         let missed = match check {
             CacheCheck::NotPredicted => return None,
             CacheCheck::Held => false,
             CacheCheck::Missed => true,
         };
         let before = self.capacity_share;
-        self.capacity_share = if missed {
-            (before * 0.9).max(MIN_CAPACITY_SHARE)
-        } else {
-            (before + 0.01).min(1.0)
-        };
+        self.capacity_share = match (missed, depth.filter(|d| d.is_finite())) {
+            (true, Some(d)) if d < before => before - MISS_STEP * (before - d),
+            (true, _) => before,
+            (false, _) => before + HELD_STEP,
+        }
+        .clamp(MIN_CAPACITY_SHARE, 1.0);
         let (c, m) = self.checks_and_misses;
         self.checks_and_misses = (
             c.saturating_add(1).min(0xFFFF),
@@ -436,13 +449,19 @@ impl Estimator {
         sample: &TtftSample,
         predicted: Option<u64>,
     ) -> Result<(), StoreError> {
-        self.observe_served(s, slot, Some((sample, predicted)), CacheCheck::NotPredicted)
-            .map(|_| ())
+        self.observe_served(
+            s,
+            slot,
+            Some((sample, predicted)),
+            CacheCheck::NotPredicted,
+            None,
+        )
+        .map(|_| ())
     }
 
     /// `usage` of a finished request: checks the index's predicted cached tokens against
-    /// the server's `cached_tokens` and moves the capacity share. Returns the new share when
-    /// it changed.
+    /// the server's `cached_tokens` and moves the capacity share (`depth`: see
+    /// [`Estimator::observe_served`]). Returns the new share when it changed.
     pub fn observe_cache<S: SharedStore + ?Sized>(
         &self,
         s: &S,
@@ -450,23 +469,26 @@ impl Estimator {
         predicted_cached: u64,
         reported_cached: u64,
         block_tokens: u64,
+        depth: Option<f64>,
     ) -> Result<(CacheCheck, Option<f64>), StoreError> {
         let check = cache_check(predicted_cached, reported_cached, block_tokens);
-        Ok((check, self.observe_served(s, slot, None, check)?))
+        Ok((check, self.observe_served(s, slot, None, check, depth)?))
     }
 
     /// What a served answer teaches one endpoint's record, in one update: the held TTFT
     /// sample with the served uncached tokens (it fits the overhead terms and, when its
     /// first byte counted towards the rate with `predicted` uncached tokens, moves the
     /// rate's tokens by what the prediction was off), and the cache check (a miss lowers the
-    /// capacity share, a held prediction raises it slowly). Returns the new share when it
-    /// changed.
+    /// capacity share towards `depth`, the predicted prefix's LRU stack distance as a share
+    /// of the configured capacity; a held prediction raises it slowly). Returns the new
+    /// share when it changed.
     pub fn observe_served<S: SharedStore + ?Sized>(
         &self,
         s: &S,
         slot: u16,
         ttft: Option<(&TtftSample, Option<u64>)>,
         check: CacheCheck,
+        depth: Option<f64>,
     ) -> Result<Option<f64>, StoreError> {
         let ttft = ttft.filter(|(t, _)| t.first_byte_ms >= t.dispatch_ms);
         if ttft.is_none() && check == CacheCheck::NotPredicted {
@@ -480,7 +502,7 @@ impl Estimator {
                 }
                 r.observe_fit(sample);
             }
-            let share = r.check_cache(check);
+            let share = r.check_cache(check, depth);
             Some((r.encode(), share))
         })?;
         Ok(out.flatten())
@@ -738,21 +760,52 @@ mod tests {
     fn cache_misses_shrink_the_capacity_share_and_hits_restore_it() {
         let s = MemStore::new();
         let e = Estimator::new("t", 15_000.0, 4.0);
-        let (c, _) = e.observe_cache(&s, 0, 64, 0, 64).unwrap();
+        let (c, _) = e.observe_cache(&s, 0, 64, 0, 64, None).unwrap();
         assert_eq!(c, CacheCheck::NotPredicted);
+        // A miss of unknown depth is counted and moves nothing.
+        let (c, new) = e.observe_cache(&s, 0, 50_000, 0, 64, None).unwrap();
+        assert_eq!((c, new), (CacheCheck::Missed, None));
         let mut share = 1.0;
         for _ in 0..10 {
-            let (c, new) = e.observe_cache(&s, 0, 50_000, 0, 64).unwrap();
+            let (c, new) = e.observe_cache(&s, 0, 50_000, 0, 64, Some(0.3)).unwrap();
             assert_eq!(c, CacheCheck::Missed);
-            share = new.unwrap();
+            share = new.unwrap_or(share);
         }
-        assert!((share - 0.9f64.powi(10)).abs() < 1e-3, "{share}");
+        // Halfway to the depth of each miss: close to it, never below.
+        assert!(share > 0.3 && share < 0.301, "{share}");
         for _ in 0..5 {
-            e.observe_cache(&s, 0, 50_000, 49_000, 64).unwrap();
+            e.observe_cache(&s, 0, 50_000, 49_000, 64, Some(0.1))
+                .unwrap();
         }
         let est = e.read(&s, 0).unwrap();
         assert!(est.capacity_share > share);
-        assert_eq!((est.cache_checks, est.cache_misses), (15, 10));
+        assert_eq!((est.cache_checks, est.cache_misses), (16, 11));
+    }
+
+    /// A server keeping 40 % of the configured cache: misses come from prefixes deeper than
+    /// that, holds from shallower ones. The share settles just above 40 %, not below it.
+    #[test]
+    fn the_capacity_share_settles_at_the_depth_where_predictions_start_to_miss() {
+        let s = MemStore::new();
+        let e = Estimator::new("t", 15_000.0, 4.0);
+        let mut share = 1.0f64;
+        let mut lowest = 1.0f64;
+        for i in 0..400u32 {
+            // Depths spread over the live part of the index (up to the current share).
+            let depth = share * f64::from(i * 37 % 100) / 100.0;
+            let reported = if depth < 0.4 { 49_000 } else { 0 };
+            let (_, new) = e
+                .observe_cache(&s, 0, 50_000, reported, 64, Some(depth))
+                .unwrap();
+            share = new.unwrap_or(share);
+            if i >= 200 {
+                lowest = lowest.min(share);
+            }
+        }
+        assert!(
+            lowest >= 0.4 && share < 0.6,
+            "lowest {lowest}, last {share}"
+        );
     }
 
     #[test]

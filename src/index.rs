@@ -90,6 +90,21 @@ pub struct Match {
     /// ... and the last use of the prefix at the rank a new prompt of this size pushes out
     /// (`capacity / prompt blocks` prompts fit), if the records reach that deep.
     pub victim_used_s: Option<u32>,
+    /// Blocks stamped on the endpoint since the deepest matched segment was (its LRU stack
+    /// distance, at epoch grain), when anything matched: a server whose cache is smaller
+    /// than this has evicted it.
+    pub distance: Option<u64>,
+    /// When that segment's entry was last written (seconds): a prefix sent there moments
+    /// ago may still be prefilling, so a miss on it says nothing about the cache's size.
+    pub written_s: Option<u32>,
+}
+
+/// One held segment: its matching blocks (≥ 1), epoch stamp and last write.
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    blocks: usize,
+    stamp: u64,
+    written_s: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -201,6 +216,8 @@ impl AffinityIndex {
             held: h.held,
             rank: None,
             victim_used_s: None,
+            distance: None,
+            written_s: None,
         };
         if chain.is_empty() || h.capacity == 0 {
             return Ok(m);
@@ -214,30 +231,29 @@ impl AffinityIndex {
         let Some(first) = self.segment_held(s, slot, chain, 0, h)? else {
             return Ok(m);
         };
-        if first < segment(chain, 0).len() {
-            m.blocks = first;
-            return Ok(m);
-        }
         // Largest j whose segment is held: binary search over [lo, hi).
         let (mut lo, mut hi) = (1usize, segments);
-        let mut best: Option<(usize, usize)> = Some((0, first));
+        if first.blocks < segment(chain, 0).len() {
+            hi = lo;
+        }
+        let (mut j, mut best) = (0, first);
         while lo < hi {
             let mid = lo + (hi - lo) / 2;
             match self.segment_held(s, slot, chain, mid, h)? {
-                Some(n) => {
-                    best = Some((mid, n));
+                Some(held) => {
+                    (j, best) = (mid, held);
                     lo = mid + 1;
                 }
                 None => hi = mid,
             }
         }
-        if let Some((j, n)) = best {
-            m.blocks = j * SEGMENT + n;
-        }
+        m.blocks = j * SEGMENT + best.blocks;
+        m.distance = Some(stamped_since(&v, h.clock, best.stamp));
+        m.written_s = Some(best.written_s);
         Ok(m)
     }
 
-    /// Blocks of segment `j` the endpoint holds (≥ 1), or `None` when the segment is absent.
+    /// What the endpoint holds of segment `j`, or `None` when the segment is absent.
     fn segment_held<S: SharedStore + ?Sized>(
         &self,
         s: &S,
@@ -245,13 +261,17 @@ impl AffinityIndex {
         chain: &[u64],
         j: usize,
         h: Header,
-    ) -> Result<Option<usize>, StoreError> {
+    ) -> Result<Option<Held>, StoreError> {
         let seg = segment(chain, j);
         let tag = tag(seg.first().copied().unwrap_or(0), slot);
         let v = self.bucket(s, tag % self.buckets)?;
         Ok(find(&v, tag).and_then(|at| {
             let e = entry(&v, at);
-            live(e, h).then(|| matching_blocks(e, seg))
+            live(e, h).then(|| Held {
+                blocks: matching_blocks(e, seg),
+                stamp: stamp_of(e, h.clock),
+                written_s: read_u32(e, TOUCHED_AT),
+            })
         }))
     }
 
@@ -487,6 +507,12 @@ fn set_count(b: &mut [u8], epoch: u64, n: u32) {
 fn add_count(b: &mut [u8], epoch: u64, delta: i64) {
     let n = (i64::from(count(b, epoch)) + delta).clamp(0, i64::from(u32::MAX));
     set_count(b, epoch, n as u32);
+}
+
+/// Blocks counted in the epochs after `stamp` up to `clock`: what the endpoint took since.
+fn stamped_since(b: &[u8], clock: u64, stamp: u64) -> u64 {
+    let newer = clock.saturating_sub(stamp).min(EPOCHS as u64);
+    (0..newer).map(|k| u64::from(count(b, clock - k))).sum()
 }
 
 fn parse_header(b: &[u8]) -> Header {
@@ -760,6 +786,29 @@ mod tests {
         assert_eq!(ix.matched(&s, 0, &prompts[9]).unwrap().blocks, 160);
         assert_eq!(ix.matched(&s, 0, &prompts[8]).unwrap().blocks, 160);
         assert_eq!(ix.matched(&s, 0, &prompts[7]).unwrap().blocks, 0);
+    }
+
+    #[test]
+    fn a_match_knows_how_many_blocks_were_stamped_since() {
+        // Epochs of 3,200 / 32 = 100 blocks: prompts of 100 blocks fill one each.
+        let (ix, s) = index(3_200, 1);
+        let p: Vec<Vec<u64>> = (0..5).map(|i| chain(i + 50, 100)).collect();
+        for (t, q) in p.iter().enumerate() {
+            ix.insert(&s, 0, q, t as u32).unwrap();
+        }
+        let distance = |q: &[u64]| ix.matched(&s, 0, q).unwrap().distance;
+        // p0 went in first: the four prompts after it stand between it and now (within an
+        // epoch's grain); the newest has nothing after it beyond its own epoch's fill.
+        let d0 = distance(&p[0]).unwrap();
+        assert!((300..=500).contains(&d0), "{d0}");
+        assert!(distance(&p[4]).unwrap() < d0);
+        assert!(
+            distance(&p[2]).unwrap() < d0 && distance(&p[2]).unwrap() > distance(&p[4]).unwrap()
+        );
+        // Touching p0 again makes it the newest.
+        ix.insert(&s, 0, &p[0], 9).unwrap();
+        assert!(distance(&p[0]).unwrap() <= 100);
+        assert_eq!(distance(&chain(999, 20)), None);
     }
 
     #[test]

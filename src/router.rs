@@ -51,6 +51,9 @@ pub struct Routed {
     pub dispatch_ms: u64,
     /// Capacity of the picked endpoint in blocks before the cache correction.
     pub capacity_blocks: u64,
+    /// LRU stack distance there of the prefix the index predicted cached, in blocks (none
+    /// when it was sent there within T_max: it may still have been prefilling).
+    pub distance_blocks: Option<u64>,
     /// Its first byte is its first token (a streamed answer): a TTFT sample. A
     /// non-streamed answer's first byte comes after the whole generation.
     pub ttft_sample: bool,
@@ -81,6 +84,9 @@ pub enum Outcome {
     /// the endpoint never cached the prompt, so the index insert is undone.
     FailedEarly,
 }
+
+/// An endpoint's load at dispatch (real tokens) and the stack distance of its match.
+type Seen = (Load, Option<u64>);
 
 pub struct Router {
     pub cfg: Config,
@@ -197,7 +203,7 @@ impl Router {
             return Err(RouteError::NoEndpoints);
         }
         let s = &ReadCache::new(s);
-        let (fleet, raw) = self.candidates(s, &healthy, chain, tokens, now_ms)?;
+        let (fleet, seen) = self.candidates(s, &healthy, chain, tokens, now_ms)?;
         let ask = Ask {
             tokens,
             chain: &chain.hashes,
@@ -237,8 +243,10 @@ impl Router {
             .chain(decision.fallbacks.iter().copied())
             .filter_map(|i| healthy.get(i).map(|e| e.address.clone()))
             .collect();
+        let (ahead, distance_blocks) = seen.get(decision.endpoint).copied().unwrap_or_default();
         Ok(Routed {
-            ahead: raw.get(decision.endpoint).copied().unwrap_or_default(),
+            ahead,
+            distance_blocks,
             decision,
             addresses,
             charge,
@@ -254,7 +262,8 @@ impl Router {
         })
     }
 
-    /// The candidates as the policy sees them, and each one's load in real tokens.
+    /// The candidates as the policy sees them, and each one's load in real tokens and the
+    /// stack distance of its match.
     fn candidates<S: SharedStore + ?Sized>(
         &mut self,
         s: &S,
@@ -262,7 +271,11 @@ impl Router {
         chain: &BlockChain,
         tokens: u64,
         now_ms: u64,
-    ) -> Result<(Vec<Candidate>, Vec<Load>), StoreError> {
+    ) -> Result<(Vec<Candidate>, Vec<Seen>), StoreError> {
+        // A match written within T_max may be a prompt still prefilling there: its miss
+        // would not be evidence about the cache's size.
+        let settled_s = (self.cfg.max_ttft_penalty_ms / 1000.0).ceil() as u32;
+        let now_s = (now_ms / 1000) as u32;
         let stale = self
             .cfg
             .metrics
@@ -294,12 +307,15 @@ impl Router {
                     rank: m.rank,
                     speed: 1.0,
                 };
-                Ok(((c, est), raw))
+                let settled = m
+                    .written_s
+                    .is_some_and(|w| now_s.saturating_sub(w) >= settled_s);
+                Ok(((c, est), (raw, m.distance.filter(|_| settled))))
             })
             .collect::<Result<Vec<_>, StoreError>>()
             .map(|v| {
-                let (with_est, raw): (Vec<_>, Vec<Load>) = v.into_iter().unzip();
-                (self.in_reference_tokens(with_est), raw)
+                let (with_est, seen): (Vec<_>, Vec<_>) = v.into_iter().unzip();
+                (self.in_reference_tokens(with_est), seen)
             })
     }
 
@@ -435,9 +451,12 @@ impl Router {
         let served = cached_tokens.map(|c| prompt_tokens.saturating_sub(c));
         let ttft = Self::take_ttft(r, served.filter(|_| prompt_tokens > 0));
         let ttft = ttft.as_ref().map(|(sample, counted)| (sample, *counted));
+        let depth = r
+            .distance_blocks
+            .map(|d| d as f64 / r.capacity_blocks.max(1) as f64);
         let share = self
             .estimator
-            .observe_served(s, r.charge.slot, ttft, check)?;
+            .observe_served(s, r.charge.slot, ttft, check, depth)?;
         if let Some(share) = share {
             let blocks = ((r.capacity_blocks as f64 * share) as u64).max(1);
             self.index.set_capacity(s, r.charge.slot, blocks)?;
@@ -565,20 +584,30 @@ mod tests {
         r.first_byte(&s, &mut first, 900).unwrap(); // a second call is no second sample
         r.finish(&s, &mut first, Outcome::Done).unwrap();
         assert_eq!(r.estimator.read(&s, slot).unwrap().total, 1);
+        let capacity = |r: &Router| r.index.matched(&s, slot, &[]).unwrap().capacity;
+        let before = capacity(&r);
+        // A second second later, the server had not cached the prefix: it may still have
+        // been prefilling the first, so the miss says nothing about the cache's size.
         let mut second = r.route(&s, &t.endpoints, &chain, 10_000, 1_000).unwrap();
         assert_eq!(second.charge.slot, slot);
         assert!(second.tokens > second.uncached, "a predicted hit");
-        let before = r.index.matched(&s, slot, &[]).unwrap().capacity;
         let check = r
             .observe_usage(&s, &mut second, "m", 40_000, 10_000, Some(0))
             .unwrap();
         assert_eq!(check, CacheCheck::Missed);
-        assert!(r.index.matched(&s, slot, &[]).unwrap().capacity < before);
+        assert_eq!(capacity(&r), before);
         second.ttft_sample = false; // a non-streamed answer: its first byte is no TTFT
         r.first_byte(&s, &mut second, 5_000).unwrap();
         assert_eq!(r.estimator.read(&s, slot).unwrap().total, 1);
         r.finish(&s, &mut second, Outcome::Done).unwrap();
         assert_eq!(r.ledger.load(&s, slot, 6_000).unwrap(), Default::default());
+        // Past T_max (18 s), the same miss is evidence: the index assumes less capacity.
+        let mut third = r.route(&s, &t.endpoints, &chain, 10_000, 30_000).unwrap();
+        assert_eq!(third.charge.slot, slot);
+        r.observe_usage(&s, &mut third, "m", 40_000, 10_000, Some(0))
+            .unwrap();
+        assert!(capacity(&r) < before);
+        r.finish(&s, &mut third, Outcome::Done).unwrap();
     }
 
     #[test]

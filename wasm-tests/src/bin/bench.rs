@@ -120,6 +120,10 @@ struct Args {
     /// is still told the fleet's full R_peak).
     #[arg(long, default_value_t = 0)]
     slow_endpoints: usize,
+    /// The fleet's metrics report this multiple of its real KV capacity (the index is told
+    /// too much: the cache correction's case).
+    #[arg(long, default_value_t = 1.0)]
+    kv_report_factor: f64,
 }
 
 /// Draws `<workload>.svg` into `<out-dir>/plots` (and docs/plots with --docs-plots).
@@ -149,6 +153,8 @@ struct Profile {
     plugin_extra: serde_json::Value,
     /// Endpoints at half R_peak (`--slow-endpoints`).
     slow_endpoints: usize,
+    /// KV capacity the fleet reports over its real one (`--kv-report-factor`).
+    kv_report_factor: f64,
 }
 
 fn profile(kind: WorkloadKind, quick: bool) -> Profile {
@@ -205,6 +211,7 @@ fn profile(kind: WorkloadKind, quick: bool) -> Profile {
         slo_s,
         plugin_extra: serde_json::Value::Null,
         slow_endpoints: 0,
+        kv_report_factor: 1.0,
     }
 }
 
@@ -224,6 +231,7 @@ fn fleet_config(kind: WorkloadKind, p: &Profile) -> FleetConfig {
             .round()
             .max(1.0) as usize,
         slow_endpoints: p.slow_endpoints,
+        kv_report_factor: p.kv_report_factor,
         ..Default::default()
     }
 }
@@ -314,13 +322,25 @@ fn report_learned(gw: &Gateway, p: &Profile, endpoints: usize, target: &str) {
         })
         .collect();
     // A target that does not learn reports its prior with no samples: nothing to show.
-    if any_samples {
-        eprintln!(
-            "{target}: learned R_peak vs the fleet's {fast:.0} tok/s ({} at half): {}",
-            p.slow_endpoints,
-            learned.join(", ")
-        );
+    if !any_samples {
+        return;
     }
+    eprintln!(
+        "{target}: learned R_peak vs the fleet's {fast:.0} tok/s ({} at half): {}",
+        p.slow_endpoints,
+        learned.join(", ")
+    );
+    let shares: Vec<String> = (0..endpoints)
+        .filter_map(|slot| {
+            let name = format!("wasmcustom.tokenaware_endpoint_{slot}_kv_capacity_share_pct");
+            e.stat(&name).ok().flatten().map(|pct| format!("{pct} %"))
+        })
+        .collect();
+    eprintln!(
+        "{target}: KV capacity share the index assumes (the fleet keeps {:.0} % of what it reports): {}",
+        100.0 / p.kv_report_factor,
+        shares.join(", ")
+    );
 }
 
 /// tokenaware's decisions by reason over the whole ladder (what the policy did, for the
@@ -634,6 +654,7 @@ async fn main() -> anyhow::Result<()> {
             p.time_factor = f;
         }
         p.slow_endpoints = a.slow_endpoints;
+        p.kv_report_factor = a.kv_report_factor;
         if let Some(extra) = &a.plugin_extra {
             p.plugin_extra = serde_json::from_str(extra).context("--plugin-extra: not JSON")?;
             anyhow::ensure!(

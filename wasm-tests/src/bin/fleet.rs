@@ -56,6 +56,9 @@ struct Args {
     /// The first N endpoints prefill at half `--prefill-rate` (a heterogeneous fleet).
     #[arg(long, default_value_t = 0)]
     slow_endpoints: usize,
+    /// `vllm:cache_config_info` reports this multiple of the real KV capacity.
+    #[arg(long, default_value_t = 1.0)]
+    kv_report_factor: f64,
 }
 
 async fn shutdown_signal() {
@@ -108,6 +111,7 @@ async fn main() -> anyhow::Result<()> {
         },
         dead: a.dead,
         slow_endpoints: a.slow_endpoints,
+        kv_report_factor: a.kv_report_factor,
     };
     let listeners = fleet::bind(&cfg)?;
     let last = usize::from(cfg.base_port) + cfg.endpoints - 1;

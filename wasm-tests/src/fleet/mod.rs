@@ -73,6 +73,9 @@ pub struct FleetConfig {
     /// The first this many endpoints prefill at [`SLOW_PREFILL_FACTOR`] of
     /// `timing.prefill_rate` (a heterogeneous fleet).
     pub slow_endpoints: usize,
+    /// `vllm:cache_config_info` reports this multiple of `kv_blocks`: a server that keeps
+    /// less than it says (the index correction's test case). 1 is honest.
+    pub kv_report_factor: f64,
 }
 
 /// What a slow endpoint's prefill rate is of the fleet's.
@@ -88,6 +91,7 @@ impl Default for FleetConfig {
             metrics_names: MetricsNames::Vllm,
             dead: Vec::new(),
             slow_endpoints: 0,
+            kv_report_factor: 1.0,
         }
     }
 }

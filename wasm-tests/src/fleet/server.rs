@@ -197,7 +197,7 @@ impl Endpoint {
                     format!(
                         "vllm:cache_config_info{{block_size=\"{BLOCK_TOKENS}\",cache_dtype=\"auto\",\
                          enable_prefix_caching=\"True\",num_cpu_blocks=\"0\",num_gpu_blocks=\"{}\",{l}}} 1.0",
-                        self.cfg.kv_blocks
+                        (self.cfg.kv_blocks as f64 * self.cfg.kv_report_factor).round() as u64
                     ),
                 );
             }
