@@ -224,6 +224,9 @@ pub struct Config {
     /// 2, is the smallest that loses under 1 % of the blocks held to bucket collisions (see
     /// `index::tests::default_headroom_loses_under_one_percent`).
     pub index_headroom: f64,
+    /// How old a shared-data read may be when a decision uses it again, ms (0: read every
+    /// time). Other workers' writes show this much late; this VM's own at once.
+    pub shared_read_max_age_ms: u64,
 }
 
 fn default_discovery_interval_ms() -> u64 {
@@ -278,6 +281,7 @@ impl Default for Config {
             request_ttl_seconds: 600,
             namespace: "tokenaware".into(),
             index_headroom: 2.0,
+            shared_read_max_age_ms: 5,
         }
     }
 }
@@ -368,6 +372,12 @@ impl Config {
             86_400.0,
         )?;
         check_range("indexHeadroom", self.index_headroom, 1.0, 16.0)?;
+        check_range(
+            "sharedReadMaxAgeMs",
+            self.shared_read_max_age_ms as f64,
+            0.0,
+            1_000.0,
+        )?;
         if let Some(
             PeakPrefill::TokensPerSecond(r)
             | PeakPrefill::Auto {

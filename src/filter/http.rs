@@ -194,7 +194,9 @@ impl HttpFilter {
             return;
         }
         if let Ok(r) = vm.router.try_borrow() {
-            if r.finish(h, routed, Outcome::FailedEarly).is_err() {
+            if r.finish(&vm.recent.fresh(h), routed, Outcome::FailedEarly)
+                .is_err()
+            {
                 vm.stats.inc(h, Counter::ReleaseErrors);
             }
         }
@@ -250,7 +252,7 @@ impl HttpFilter {
         }
         let released = !ours
             || match vm.router.try_borrow() {
-                Ok(r) => r.finish(h, &mut routed, outcome).is_ok(),
+                Ok(r) => r.finish(&vm.recent.fresh(h), &mut routed, outcome).is_ok(),
                 Err(_) => false,
             };
         if released {
@@ -266,7 +268,8 @@ impl HttpFilter {
             return;
         };
         let (model, bytes) = &self.prompt_shape;
-        match r.observe_usage(h, routed, model, *bytes, u.prompt_tokens, u.cached_tokens) {
+        let s = &vm.recent.fresh(h);
+        match r.observe_usage(s, routed, model, *bytes, u.prompt_tokens, u.cached_tokens) {
             Ok(CacheCheck::Missed) => vm.stats.inc(h, Counter::CacheMisses),
             Ok(CacheCheck::Held) => vm.stats.inc(h, Counter::CacheHeld),
             Ok(CacheCheck::NotPredicted) => {}
@@ -290,7 +293,8 @@ impl HttpFilter {
         if !slot_is_ours(h, vm, routed) {
             return;
         }
-        match vm.router.try_borrow().map(|r| r.first_byte(h, routed, now)) {
+        let s = &vm.recent.fresh(h);
+        match vm.router.try_borrow().map(|r| r.first_byte(s, routed, now)) {
             Ok(Ok(())) => {}
             Ok(Err(FirstByteError::Estimate(_))) => vm.stats.inc(h, Counter::EstimateErrors),
             Ok(Err(FirstByteError::Release(_))) | Err(_) => vm.stats.inc(h, Counter::ReleaseErrors),
@@ -345,13 +349,14 @@ impl HttpFilter {
         let mut req = parse(kind, &body, &limits).map_err(Fallback::from_parse)?;
         drop(body);
         let now = h.now_ms().map_err(|e| internal("reading the clock", e))?;
-        let table = vm.table(h);
+        let s = &vm.recent.at(h, now);
+        let table = vm.table(s);
         let mut router = vm
             .router
             .try_borrow_mut()
             .map_err(|_| internal("router", HostError::Internal))?;
         let chain = router.hash(&req);
-        let tokens = router.estimate_tokens(h, &req);
+        let tokens = router.estimate_tokens(s, &req);
         let bytes = match req.prompt_token_ids {
             Some(_) => 0,
             None => req.prompt.len() as u64,
@@ -360,14 +365,14 @@ impl HttpFilter {
         self.prompt_shape = (std::mem::take(&mut req.model), bytes);
         drop(req);
         let mut routed = router
-            .route(h, &table.endpoints, &chain, tokens, now)
+            .route(s, &table.endpoints, &chain, tokens, now)
             .map_err(|e| match e {
                 RouteError::NoEndpoints => Fallback::NoEndpoints,
                 RouteError::Store => Fallback::Store,
             })?;
         routed.ttft_sample = stream;
         if let Err(e) = h.set_request_header(DESTINATION, &routed.addresses.join(",")) {
-            let _ = router.finish(h, &mut routed, Outcome::FailedEarly);
+            let _ = router.finish(&vm.recent.fresh(h), &mut routed, Outcome::FailedEarly);
             return Err(internal("setting the destination", e));
         }
         Ok(routed)

@@ -191,6 +191,8 @@ impl Root {
     }
 
     pub fn on_tick<H: Host>(&mut self, h: &H) {
+        // The tick may write the tables; decisions re-read them after it.
+        self.vm.recent.clear();
         let Ok(now) = h.now_ms() else { return };
         // Every VM, poller or not: its own linear memory into the process-wide gauges.
         if let Some(me) = h.vm_memory() {
@@ -274,6 +276,8 @@ impl Root {
         let Some((call, _)) = self.calls.remove(&token) else {
             return;
         };
+        // What follows may rewrite the table or clear an endpoint's index.
+        self.vm.recent.clear();
         let ok = num_headers > 0
             && matches!(h.call_response_header(":status"), Ok(Some(s)) if s == b"200");
         match call {

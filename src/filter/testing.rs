@@ -3,6 +3,7 @@
 //! share one `FakeHost`, as Envoy's workers share shared data.
 
 use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
 
 use super::host::{Host, HostError, Level, MetricKind, VmMemory};
 use crate::store::{Cas, MemStore, SharedStore, StoreError};
@@ -45,6 +46,8 @@ pub struct FakeHost {
     /// Shared-data reads and writes made (each one a hostcall in Envoy).
     pub store_reads: Cell<u64>,
     pub store_writes: Cell<u64>,
+    /// Every hostcall made, by name (shared data as `get` and `set`).
+    pub calls: RefCell<BTreeMap<&'static str, u64>>,
 }
 
 impl FakeHost {
@@ -142,6 +145,20 @@ impl FakeHost {
         std::mem::take(&mut *self.dispatched.borrow_mut())
     }
 
+    fn count(&self, call: &'static str) {
+        *self.calls.borrow_mut().entry(call).or_default() += 1;
+    }
+
+    /// Hostcalls made since `before` (a copy of `calls`), by name.
+    pub fn calls_since(&self, before: &BTreeMap<&'static str, u64>) -> BTreeMap<&'static str, u64> {
+        self.calls
+            .borrow()
+            .iter()
+            .map(|(k, v)| (*k, v - before.get(k).copied().unwrap_or(0)))
+            .filter(|(_, v)| *v > 0)
+            .collect()
+    }
+
     fn find(map: &RefCell<Vec<(String, Vec<u8>)>>, name: &str) -> Option<Vec<u8>> {
         map.borrow()
             .iter()
@@ -158,6 +175,7 @@ impl FakeHost {
 
 impl SharedStore for FakeHost {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<Cas>), StoreError> {
+        self.count("get");
         self.store_reads.set(self.store_reads.get() + 1);
         if self.store_down.get() {
             return Err(StoreError::Host);
@@ -166,6 +184,7 @@ impl SharedStore for FakeHost {
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
+        self.count("set");
         self.store_writes.set(self.store_writes.get() + 1);
         if self.store_down.get() {
             return Err(StoreError::Host);
@@ -176,10 +195,12 @@ impl SharedStore for FakeHost {
 
 impl Host for FakeHost {
     fn request_header(&self, name: &str) -> Result<Option<Vec<u8>>, HostError> {
+        self.count("request_header");
         Ok(Self::find(&self.request_headers, name))
     }
 
     fn set_request_header(&self, name: &str, value: &str) -> Result<(), HostError> {
+        self.count("set_request_header");
         if self.headers_locked.get() {
             return Err(HostError::BadArgument);
         }
@@ -188,6 +209,7 @@ impl Host for FakeHost {
     }
 
     fn remove_request_header(&self, name: &str) -> Result<(), HostError> {
+        self.count("remove_request_header");
         if self.headers_locked.get() {
             return Err(HostError::BadArgument);
         }
@@ -198,15 +220,18 @@ impl Host for FakeHost {
     }
 
     fn response_header(&self, name: &str) -> Result<Option<Vec<u8>>, HostError> {
+        self.count("response_header");
         Ok(Self::find(&self.response_headers, name))
     }
 
     fn set_response_header(&self, name: &str, value: &str) -> Result<(), HostError> {
+        self.count("set_response_header");
         self.put(&self.response_headers, name, value);
         Ok(())
     }
 
     fn upstream_address(&self) -> Result<Option<Vec<u8>>, HostError> {
+        self.count("upstream_address");
         Ok(self
             .upstream
             .borrow()
@@ -215,12 +240,14 @@ impl Host for FakeHost {
     }
 
     fn request_body(&self, start: usize, len: usize) -> Result<Vec<u8>, HostError> {
+        self.count("request_body");
         let b = self.request_body.borrow();
         let end = start.saturating_add(len).min(b.len());
         Ok(b.get(start..end).unwrap_or_default().to_vec())
     }
 
     fn response_body(&self, start: usize, len: usize) -> Result<Vec<u8>, HostError> {
+        self.count("response_body");
         let b = self.response_body.borrow();
         let end = start.saturating_add(len).min(b.len());
         Ok(b.get(start..end).unwrap_or_default().to_vec())
@@ -232,19 +259,23 @@ impl Host for FakeHost {
         _headers: &[(&str, &str)],
         body: &[u8],
     ) -> Result<(), HostError> {
+        self.count("send_response");
         self.sent.borrow_mut().push((status, body.to_vec()));
         Ok(())
     }
 
     fn now_ms(&self) -> Result<u64, HostError> {
+        self.count("now_ms");
         Ok(self.now.get())
     }
 
     fn log(&self, level: Level, msg: &str) {
+        self.count("log");
         self.logs.borrow_mut().push((level, msg.to_string()));
     }
 
     fn define_metric(&self, kind: MetricKind, name: &str) -> Result<u32, HostError> {
+        self.count("define_metric");
         let mut m = self.metrics.borrow_mut();
         if let Some(i) = m.iter().position(|(_, n, _, _)| n == name) {
             return Ok(i as u32);
@@ -254,6 +285,7 @@ impl Host for FakeHost {
     }
 
     fn increment_metric(&self, id: u32, delta: i64) -> Result<(), HostError> {
+        self.count("increment_metric");
         let mut m = self.metrics.borrow_mut();
         let e = m.get_mut(id as usize).ok_or(HostError::NotFound)?;
         if e.0 == MetricKind::Counter && delta <= 0 {
@@ -264,6 +296,7 @@ impl Host for FakeHost {
     }
 
     fn record_metric(&self, id: u32, value: u64) -> Result<(), HostError> {
+        self.count("record_metric");
         let mut m = self.metrics.borrow_mut();
         let e = m.get_mut(id as usize).ok_or(HostError::NotFound)?;
         match e.0 {
@@ -280,6 +313,7 @@ impl Host for FakeHost {
         headers: &[(&str, &str)],
         timeout_ms: u64,
     ) -> Result<u32, HostError> {
+        self.count("dispatch");
         let token = self.next_token.get() + 1;
         self.next_token.set(token);
         self.dispatched.borrow_mut().push(Dispatched {
@@ -295,15 +329,18 @@ impl Host for FakeHost {
     }
 
     fn call_response_header(&self, name: &str) -> Result<Option<Vec<u8>>, HostError> {
+        self.count("call_response_header");
         Ok(Self::find(&self.call_headers, name))
     }
 
     fn call_response_body(&self, len: usize) -> Result<Vec<u8>, HostError> {
+        self.count("call_response_body");
         let b = self.call_body.borrow();
         Ok(b.get(..len.min(b.len())).unwrap_or_default().to_vec())
     }
 
     fn vm_memory(&self) -> Option<VmMemory> {
+        self.count("vm_memory");
         self.vm_memory.get()
     }
 }

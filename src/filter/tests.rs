@@ -878,6 +878,11 @@ fn a_new_static_list_replaces_the_stored_table_and_keeps_slots() {
 /// One request with a streamed (or not) answer whose first body byte comes `ttft_ms` after
 /// the decision, and a final chunk carrying `usage`.
 fn answer(h: &FakeHost, vm: &Rc<Vm>, stream: bool, ttft_ms: u64) {
+    answer_then_wait(h, vm, stream, ttft_ms, 1_000);
+}
+
+/// `answer`, with `gap_ms` before the next request.
+fn answer_then_wait(h: &FakeHost, vm: &Rc<Vm>, stream: bool, ttft_ms: u64, gap_ms: u64) {
     let body = serde_json::json!({
         "model": "m",
         "stream": stream,
@@ -897,7 +902,7 @@ fn answer(h: &FakeHost, vm: &Rc<Vm>, stream: bool, ttft_ms: u64) {
         f.on_response_body(h, c.len(), false);
     }
     f.on_log(h);
-    h.now.set(h.now.get() + 1_000);
+    h.now.set(h.now.get() + gap_ms);
 }
 
 #[test]
@@ -965,4 +970,38 @@ fn without_learning_the_estimates_cost_no_shared_data() {
     );
     drop(r);
     assert_ledger_zero(&h, &vm);
+}
+
+#[test]
+fn back_to_back_decisions_reuse_recent_reads() {
+    let h = FakeHost::new();
+    let vm = vm(&h, "");
+    answer(&h, &vm, true, 300);
+    // Requests 1 ms apart (0 ms to first byte): within `sharedReadMaxAgeMs` (5) of each
+    // other, a decision reuses the last one's reads of the endpoints it did not write.
+    let before = h.calls.borrow().clone();
+    for _ in 0..10 {
+        answer_then_wait(&h, &vm, true, 0, 1);
+    }
+    let calls = h.calls_since(&before);
+    let gets = calls.get("get").copied().unwrap_or(0);
+    // Alone, each request reads the table version, three index headers, three first
+    // buckets, a deeper bucket and three ledgers, and the picked ledger twice more (13).
+    // Kept, only the picked ledger (written by the last request; then read again by the
+    // first byte's and the end's updates) and each 5th decision's refresh are read.
+    assert!(
+        gets <= 10 * 6,
+        "{gets} shared-data reads for 10 requests: {calls:?}"
+    );
+    assert_ledger_zero(&h, &vm);
+    // Reading every time (`sharedReadMaxAgeMs` 0) costs the full count.
+    let h = FakeHost::new();
+    let vm = self::vm(&h, r#","sharedReadMaxAgeMs":0"#);
+    answer(&h, &vm, true, 300);
+    let before = h.calls.borrow().clone();
+    for _ in 0..10 {
+        answer_then_wait(&h, &vm, true, 0, 1);
+    }
+    let gets_fresh = h.calls_since(&before).get("get").copied().unwrap_or(0);
+    assert!(gets_fresh >= 10 * 12, "{gets_fresh}");
 }

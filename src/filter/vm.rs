@@ -12,7 +12,7 @@ use super::stats::Stats;
 use crate::config::Config;
 use crate::endpoints::EndpointTable;
 use crate::router::Router;
-use crate::store::{Cas, SharedStore};
+use crate::store::{Cas, RecentReads, SharedStore};
 
 /// Shared-data keys (all under the configured namespace).
 #[derive(Debug, Clone)]
@@ -55,8 +55,14 @@ pub struct Vm {
     pub id: u64,
     static_table: Rc<EndpointTable>,
     cached: RefCell<Cached>,
+    /// Shared-data reads decisions may reuse for `sharedReadMaxAgeMs`.
+    pub recent: RecentReads,
     errors: Cell<u64>,
 }
+
+/// What a VM keeps of recent shared-data reads: a decision over 100 endpoints reads about
+/// 250 KB (index headers, first buckets, ledgers).
+const RECENT_READS_BYTES: usize = 512 * 1024;
 
 impl Vm {
     pub fn new<H: Host + ?Sized>(h: &H, cfg: Config, id: u64) -> Vm {
@@ -66,6 +72,7 @@ impl Vm {
         let _ = router.sync_capacities(h, &static_table.endpoints);
         Vm {
             keys: Keys::new(&cfg.namespace),
+            recent: RecentReads::new(cfg.shared_read_max_age_ms, RECENT_READS_BYTES),
             cfg,
             router: RefCell::new(router),
             stats: Stats::define(h),
@@ -81,7 +88,7 @@ impl Vm {
 
     /// The endpoint table as last written to shared data (the static list until then).
     /// Decodes only when the version changed.
-    pub fn table<H: Host + ?Sized>(&self, h: &H) -> Rc<EndpointTable> {
+    pub fn table<S: SharedStore + ?Sized>(&self, h: &S) -> Rc<EndpointTable> {
         let Ok(mut cached) = self.cached.try_borrow_mut() else {
             return self.static_table.clone();
         };

@@ -336,3 +336,34 @@ fn a_tick_polls_every_endpoint_when_metrics_are_configured() {
     vm.tick().unwrap();
     assert_eq!(vm.pending_calls().len(), 3);
 }
+
+/// Shared-data reads of `n` requests for one prompt, `gap_ms` apart, after a first one.
+fn reads_per_request(extra: Value, gap_ms: u64, n: u64) -> f64 {
+    let host = Host::new();
+    let vm = host.load(wasm()).unwrap();
+    assert!(
+        vm.configure(1, &config(extra)).unwrap(),
+        "{}",
+        vm.log_text()
+    );
+    let body = chat_body(&system_prompt("reads"), "q");
+    finish(&send(&vm, &body, 1));
+    let before = host.shared_reads();
+    for _ in 0..n {
+        host.advance_ms(gap_ms);
+        finish(&send(&vm, &body, 1));
+    }
+    (host.shared_reads() - before) as f64 / n as f64
+}
+
+#[test]
+fn back_to_back_decisions_reuse_their_reads_in_the_built_filter() {
+    // One request per ms: within `sharedReadMaxAgeMs` (5) a decision reuses the last
+    // one's reads of the endpoints it did not write; a second apart it reads them all.
+    let kept = reads_per_request(json!({}), 1, 20);
+    let spaced = reads_per_request(json!({}), 1_000, 20);
+    let never = reads_per_request(json!({ "sharedReadMaxAgeMs": 0 }), 1, 20);
+    eprintln!("reads per request: kept {kept}, spaced {spaced}, never {never}");
+    assert!(kept <= 5.0, "{kept} reads per request");
+    assert!(spaced >= 9.0 && never >= 9.0, "{spaced} / {never}");
+}

@@ -12,6 +12,9 @@
 //! cargo run -p wasm-tests --release --bin overhead -- [--secs 10] [--rounds 3]
 //! ```
 //!
+//! `--baseline-wasm OTHER.wasm` loads another build into the first Envoy, so two builds
+//! are compared in one run (then "plain" below means that build).
+//!
 //! The same body is sent every time, so after the first request the filter's path is the hot
 //! one: parse, hash, index hit, sticky pick. Writes `target/overhead/results.json`.
 
@@ -37,6 +40,9 @@ struct Args {
     /// Connections of the throughput runs.
     #[arg(long, default_value_t = 32)]
     connections: u32,
+    /// Upstream endpoints (each decision reads every endpoint's index and ledger).
+    #[arg(long, default_value_t = 3)]
+    endpoints: usize,
     /// Chat body sizes in bytes.
     #[arg(long, value_delimiter = ',', default_values_t = [4096, 225_280])]
     sizes: Vec<usize>,
@@ -44,6 +50,10 @@ struct Args {
     /// filter loaded but not routing.
     #[arg(long)]
     extra: Option<String>,
+    /// Load this `.wasm` (same plugin config) into the "plain" Envoy: the figures then
+    /// compare two builds of the filter instead of the filter against none.
+    #[arg(long)]
+    baseline_wasm: Option<PathBuf>,
     #[arg(long, default_value = "target/overhead")]
     out_dir: PathBuf,
 }
@@ -188,7 +198,7 @@ async fn main() -> anyhow::Result<()> {
         wasm.is_file(),
         "build the filter first: cargo build --release --target wasm32-wasip1 -p tokenaware"
     );
-    let eps = wasm_tests::instant::start(3).await?;
+    let eps = wasm_tests::instant::start(args.endpoints).await?;
     let list: Vec<_> = eps.iter().map(|a| json!({ "address": a })).collect();
     let mut plugin = json!({ "endpoints": list });
     if let Some(extra) = &args.extra {
@@ -200,7 +210,10 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let plugin = plugin.to_string();
-    let plain = GatewayConfig::new(eps.clone());
+    let plain = match &args.baseline_wasm {
+        Some(base) => GatewayConfig::new(eps.clone()).with_wasm(base, plugin.clone()),
+        None => GatewayConfig::new(eps.clone()),
+    };
     let filtered = GatewayConfig::new(eps.clone()).with_wasm(&wasm, plugin);
     let (plain, filtered) = tokio::task::spawn_blocking(move || {
         anyhow::Ok((Envoy::start(plain)?, Envoy::start(filtered)?))

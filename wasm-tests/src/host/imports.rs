@@ -253,7 +253,11 @@ fn set_property(c: &mut C, pp: i32, pl: i32, vp: i32, vl: i32) -> Res<()> {
 
 fn get_shared_data(c: &mut C, kp: i32, kl: i32, pp: i32, sp: i32, cas_ptr: i32) -> Res<()> {
     let key = read_string(c, kp, kl)?;
-    let (value, cas) = c.data().shared().get(&key).ok_or(Status::NotFound)?;
+    let (value, cas) = {
+        let mut shared = c.data().shared();
+        shared.reads += 1;
+        shared.get(&key).ok_or(Status::NotFound)?
+    };
     copy_out(c, &value, pp, sp)?;
     write_u32(c, cas_ptr, cas)
 }

@@ -142,6 +142,11 @@ impl Host {
         self.shared().get(key).map(|(v, _)| v)
     }
 
+    /// `proxy_get_shared_data` calls made so far, by every VM of this host.
+    pub fn shared_reads(&self) -> u64 {
+        self.shared().reads
+    }
+
     /// Shared-data value and CAS of `key`.
     pub fn shared_entry(&self, key: &str) -> Option<(Vec<u8>, u32)> {
         self.shared().get(key)

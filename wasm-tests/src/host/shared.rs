@@ -16,6 +16,8 @@ pub(crate) struct SharedState {
     next_cas: u32,
     injected_conflicts: u32,
     pub metrics: BTreeMap<String, Metric>,
+    /// `proxy_get_shared_data` calls made.
+    pub reads: u64,
 }
 
 /// A metric as the host keeps it, shared by name across VMs (Envoy's `wasmcustom.<name>`).
@@ -53,6 +55,7 @@ impl Default for SharedState {
             next_cas: 1,
             injected_conflicts: 0,
             metrics: BTreeMap::new(),
+            reads: 0,
         }
     }
 }
