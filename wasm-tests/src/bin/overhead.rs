@@ -54,6 +54,9 @@ struct Args {
     /// compare two builds of the filter instead of the filter against none.
     #[arg(long)]
     baseline_wasm: Option<PathBuf>,
+    /// Extra plugin-config fields for the baseline build (default: `--extra`).
+    #[arg(long)]
+    baseline_extra: Option<String>,
     #[arg(long, default_value = "target/overhead")]
     out_dir: PathBuf,
 }
@@ -190,6 +193,19 @@ fn spread(mut v: Vec<f64>) -> String {
     }
 }
 
+/// The plugin config with `extra`'s fields (a JSON object) merged in, as a string.
+fn with_extra(mut plugin: serde_json::Value, extra: Option<&str>) -> anyhow::Result<String> {
+    if let Some(extra) = extra {
+        let serde_json::Value::Object(extra) = serde_json::from_str(extra)? else {
+            bail!("--extra must be a JSON object");
+        };
+        if let Some(p) = plugin.as_object_mut() {
+            p.extend(extra);
+        }
+    }
+    Ok(plugin.to_string())
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -200,18 +216,13 @@ async fn main() -> anyhow::Result<()> {
     );
     let eps = wasm_tests::instant::start(args.endpoints).await?;
     let list: Vec<_> = eps.iter().map(|a| json!({ "address": a })).collect();
-    let mut plugin = json!({ "endpoints": list });
-    if let Some(extra) = &args.extra {
-        let serde_json::Value::Object(extra) = serde_json::from_str(extra)? else {
-            bail!("--extra must be a JSON object");
-        };
-        if let Some(p) = plugin.as_object_mut() {
-            p.extend(extra);
-        }
-    }
-    let plugin = plugin.to_string();
+    let plugin = with_extra(json!({ "endpoints": list }), args.extra.as_deref())?;
     let plain = match &args.baseline_wasm {
-        Some(base) => GatewayConfig::new(eps.clone()).with_wasm(base, plugin.clone()),
+        Some(base) => {
+            let extra = args.baseline_extra.as_deref().or(args.extra.as_deref());
+            let config = with_extra(json!({ "endpoints": list }), extra)?;
+            GatewayConfig::new(eps.clone()).with_wasm(base, config)
+        }
         None => GatewayConfig::new(eps.clone()),
     };
     let filtered = GatewayConfig::new(eps.clone()).with_wasm(&wasm, plugin);
