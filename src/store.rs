@@ -157,10 +157,10 @@ impl<S: SharedStore + ?Sized> SharedStore for ReadCache<'_, S> {
 
 /// Shared-data reads kept across decisions, each for at most `max_age_ms`.
 ///
-/// In Envoy a read that returns a value costs a call back into the VM to allocate it, about
-/// 5 µs, several times the decision's own arithmetic; a decision reads every endpoint's
-/// index header, first bucket and ledger. At a high request rate most of those were read by
-/// the decision just before. What a kept read risks is bounded: another worker's writes show
+/// In Envoy every read is a hostcall that copies the value into the VM (through a call back
+/// into the VM to allocate it), and a decision reads every endpoint's index header, first
+/// bucket and ledger: with 32 endpoints that cost more than the rest of the decision. At a
+/// high request rate most of those were read by the decision just before. What a kept read risks is bounded: another worker's writes show
 /// up at most `max_age_ms` late; this VM's own writes drop the key, so they show at once; and
 /// a write made from a kept read is still checked by the store's CAS, whose conflict drops
 /// the key and retries fresh. Bounded by `max_bytes` of values: when full, expired reads go,
