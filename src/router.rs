@@ -202,8 +202,23 @@ impl Router {
         if healthy.is_empty() {
             return Err(RouteError::NoEndpoints);
         }
-        let s = &ReadCache::new(s);
-        let (fleet, seen) = self.candidates(s, &healthy, chain, tokens, now_ms)?;
+        // The decision reads several keys twice (match, then charge and insert): keep them
+        // for its span, unless the store already does.
+        match s.keeps_reads() {
+            true => self.route_healthy(s, &healthy, chain, tokens, now_ms),
+            false => self.route_healthy(&ReadCache::new(s), &healthy, chain, tokens, now_ms),
+        }
+    }
+
+    fn route_healthy<S: SharedStore + ?Sized>(
+        &mut self,
+        s: &S,
+        healthy: &[&Endpoint],
+        chain: &BlockChain,
+        tokens: u64,
+        now_ms: u64,
+    ) -> Result<Routed, RouteError> {
+        let (fleet, seen) = self.candidates(s, healthy, chain, tokens, now_ms)?;
         let ask = Ask {
             tokens,
             chain: &chain.hashes,

@@ -24,6 +24,10 @@ pub trait SharedStore {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<Cas>), StoreError>;
     /// Sets `value` if the stored version still equals `cas` (`None`: unconditionally).
     fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError>;
+    /// Whether a key read twice in a row is read from the store only once.
+    fn keeps_reads(&self) -> bool {
+        false
+    }
 }
 
 /// How often a CAS update is retried before the caller gives up and counts an error.
@@ -294,6 +298,10 @@ impl<S: SharedStore + ?Sized> SharedStore for RecentView<'_, S> {
         let (v, c) = self.inner.get(key)?;
         self.reads.keep(key, &v, c, now);
         Ok((v, c))
+    }
+
+    fn keeps_reads(&self) -> bool {
+        self.now_ms.is_some() && self.reads.max_age_ms > 0
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
