@@ -247,10 +247,12 @@ impl RecentReads {
         if self.bytes.get() + size(value) > self.max_bytes {
             let max_age = self.max_age_ms;
             map.retain(|_, r| now_ms.saturating_sub(r.read_ms) < max_age);
-            if map.values().map(|r| size(&r.value)).sum::<usize>() + size(value) > self.max_bytes {
+            let mut held: usize = map.values().map(|r| size(&r.value)).sum();
+            if held + size(value) > self.max_bytes {
                 map.clear();
+                held = 0;
             }
-            self.bytes.set(map.values().map(|r| size(&r.value)).sum());
+            self.bytes.set(held);
         }
         let old = map.insert(
             key.to_string(),

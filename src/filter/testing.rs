@@ -43,10 +43,7 @@ pub struct FakeHost {
     pub store_down: Cell<bool>,
     /// What `vm_memory` answers (set it before each "VM"'s tick).
     pub vm_memory: Cell<Option<VmMemory>>,
-    /// Shared-data reads and writes made (each one a hostcall in Envoy).
-    pub store_reads: Cell<u64>,
-    pub store_writes: Cell<u64>,
-    /// Every hostcall made, by name (shared data as `get` and `set`).
+    /// Every hostcall made, by name (shared-data reads and writes as `get` and `set`).
     pub calls: RefCell<BTreeMap<&'static str, u64>>,
 }
 
@@ -176,7 +173,6 @@ impl FakeHost {
 impl SharedStore for FakeHost {
     fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<Cas>), StoreError> {
         self.count("get");
-        self.store_reads.set(self.store_reads.get() + 1);
         if self.store_down.get() {
             return Err(StoreError::Host);
         }
@@ -185,7 +181,6 @@ impl SharedStore for FakeHost {
 
     fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
         self.count("set");
-        self.store_writes.set(self.store_writes.get() + 1);
         if self.store_down.get() {
             return Err(StoreError::Host);
         }

@@ -953,9 +953,11 @@ fn without_learning_the_estimates_cost_no_shared_data() {
     // The same keys as after the first request: no estimate record was created.
     assert_eq!(h.store.len(), keys);
     // A warm request against three endpoints: what it costs in shared-data hostcalls.
-    let (reads, writes) = (h.store_reads.get(), h.store_writes.get());
+    let before = h.calls.borrow().clone();
     answer(&h, &vm, true, 300);
-    let (reads, writes) = (h.store_reads.get() - reads, h.store_writes.get() - writes);
+    let calls = h.calls_since(&before);
+    let count = |call| calls.get(call).copied().unwrap_or(0);
+    let (reads, writes) = (count("get"), count("set"));
     // The table version, each endpoint's index header, ledger and a bucket or two, and the
     // charge, first byte and end as one CAS each (a hot prefix is not rewritten; its last use
     // is, at most once a second, and these requests are a second apart).
