@@ -72,9 +72,8 @@ impl HttpFilter {
     }
 
     pub fn on_request_headers<H: Host>(&mut self, h: &H, end_of_stream: bool) -> Action {
-        let had = matches!(h.request_header(DESTINATION), Ok(Some(_)));
-        let _ = h.remove_request_header(DESTINATION);
-        let _ = h.remove_request_header(DESTINATION_SERVED);
+        let had = strip_request_header(h, DESTINATION);
+        strip_request_header(h, DESTINATION_SERVED);
         let Some(vm) = self.vm.clone() else {
             return Action::Continue;
         };
@@ -403,6 +402,17 @@ fn slot_is_ours<H: Host>(h: &H, vm: &Vm, routed: &Routed) -> bool {
         .endpoints
         .iter()
         .any(|e| e.slot == routed.charge.slot && e.address == *picked)
+}
+
+/// Removes a client-sent header; true when it was there. Envoy clears the route cache on
+/// every request-header removal, present or not (its route is matched again), so a header
+/// seen absent is left alone; one that cannot be read is removed all the same.
+fn strip_request_header<H: Host>(h: &H, name: &str) -> bool {
+    if matches!(h.request_header(name), Ok(None)) {
+        return false;
+    }
+    let _ = h.remove_request_header(name);
+    true
 }
 
 fn path_is(path: &str, want: &str) -> bool {

@@ -152,6 +152,33 @@ fn client_destination_headers_are_stripped_on_every_request() {
 }
 
 #[test]
+fn absent_client_headers_are_not_removed() {
+    // Envoy clears the route cache on every request-header removal: a request without the
+    // headers must not pay for it.
+    let h = FakeHost::new();
+    let vm = vm(&h, "");
+    h.new_request(CHAT, &chat("s", "q"));
+    let before = h.calls.borrow().clone();
+    let mut f = HttpFilter::new(Some(vm.clone()));
+    assert_eq!(f.on_request_headers(&h, false), Action::Pause);
+    let calls = h.calls_since(&before);
+    assert_eq!(calls.get("remove_request_header"), None, "{calls:?}");
+    f.on_request_body(&h, chat("s", "q").len(), true);
+    f.on_log(&h);
+    // Only the served header, in capitals: still removed, and counted as not the
+    // destination header itself.
+    h.new_request(CHAT, &chat("s", "q"));
+    h.request_headers.borrow_mut().push((
+        "X-Gateway-Destination-Endpoint-Served".into(),
+        b"10.9.9.9:4".to_vec(),
+    ));
+    let mut f = HttpFilter::new(Some(vm.clone()));
+    f.on_request_headers(&h, false);
+    assert!(h.header_values(DESTINATION_SERVED).is_empty());
+    assert_eq!(h.metric("tokenaware_client_header_stripped"), 0);
+}
+
+#[test]
 fn other_paths_pass_untouched() {
     let h = FakeHost::new();
     let vm = vm(&h, "");

@@ -171,20 +171,21 @@ fn profile(kind: WorkloadKind, quick: bool) -> Profile {
     };
     use WorkloadKind::*;
     // (scale, time factor, full ladder, quick ladder); stages last 14 model seconds (12 quick),
-    // so the full run fits 25 minutes on two cores. The b2b-saas ladder goes past 120 req/s,
-    // where the affinity policies part; code-generation's steps are fine around 3-4 req/s,
-    // where they part. A reasoning stage drains only when its longest output (up to 160
-    // model seconds) is done, so its full ladder is its top stage, 8 req/s: every target met
-    // 2, 4 and 8 in earlier runs (TTFT p90 0.32-0.38 s at 8 against the 2 s SLO).
+    // so the full run fits 25 minutes on two cores. On this fleet the cache-aware policies
+    // part between 60 and 120 req/s on b2b-saas (the KV pool runs out), so its ladder steps
+    // by 30 there; code-generation's steps are fine from 2 to 6 req/s, where they part. A
+    // reasoning stage drains only when its longest output (up to 160 model seconds) is done,
+    // so its full ladder is its top stage, 8 req/s: every target met 2, 4 and 8 in earlier
+    // runs (TTFT p90 0.32-0.38 s at 8 against the 2 s SLO).
     let (scale, time_factor, full, short): (f64, f64, &[f64], &[f64]) = match kind {
         SeedSim => (0.1, 0.5, &[4.0, 8.0, 16.0, 32.0, 48.0], &[5.0, 20.0, 40.0]),
-        CodeGeneration => (0.1, 0.5, &[1.0, 2.0, 3.0, 4.0, 6.0], &[2.0, 6.0, 12.0]),
+        CodeGeneration => (0.1, 0.5, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2.0, 6.0, 12.0]),
         // 8,000-token outputs: a smaller scale keeps the streamed chunks per second low.
         Reasoning => (0.02, 0.25, &[8.0], &[2.0, 6.0]),
         B2bSaas => (
             0.1,
             0.5,
-            &[10.0, 30.0, 60.0, 120.0, 160.0],
+            &[10.0, 30.0, 60.0, 90.0, 120.0],
             &[10.0, 25.0, 45.0],
         ),
         // Reasoning's scale and time factor: its outputs at code-generation's would stream
@@ -537,6 +538,35 @@ fn far_past(s: &Summary, slo_s: f64) -> bool {
     s.errors as f64 > 0.1 * s.requests.max(1) as f64 || s.ttft_p90_s > 4.0 * slo_s
 }
 
+/// When a target's ladder ends: after a stage far past saturation, or after two stages in a
+/// row that miss the SLO. One miss does not end it: a stage of a few dozen requests can miss
+/// by chance (code-generation's p90 moves by seconds between neighbouring stages), and the
+/// capacity is the highest rate that meets the SLO. No run so far met it after two misses in
+/// a row, and the stages past them are the slowest to drain.
+struct LadderEnd {
+    slo_s: f64,
+    misses_in_a_row: std::cell::Cell<u32>,
+}
+
+impl LadderEnd {
+    fn new(slo_s: f64) -> Self {
+        LadderEnd {
+            slo_s,
+            misses_in_a_row: std::cell::Cell::new(0),
+        }
+    }
+
+    fn after(&self, s: &Summary) -> bool {
+        let misses = if meets_slo(s, self.slo_s) {
+            0
+        } else {
+            self.misses_in_a_row.get() + 1
+        };
+        self.misses_in_a_row.set(misses);
+        misses >= 2 || far_past(s, self.slo_s)
+    }
+}
+
 fn write_records(out: &Path, workload: &str, target: &str, stages: &[Stage]) -> anyhow::Result<()> {
     let dir = out.join("records").join(workload);
     std::fs::create_dir_all(&dir)?;
@@ -574,7 +604,7 @@ async fn run_one(
         .collect();
     let client = loadgen::client()?;
     let w = Workload::new(kind, p.scale, seed);
-    let slo = p.slo_s;
+    let end = LadderEnd::new(p.slo_s);
     let label = format!("{}/{target} x{}", kind.name(), targets.len());
     let stages = wasm_tests::replicas::ladder(
         &client,
@@ -585,7 +615,7 @@ async fn run_one(
         20_000,
         p.time_factor,
         &label,
-        |s| far_past(s, slo),
+        |s| end.after(s),
     )
     .await;
     for gw in &gws {
@@ -819,6 +849,18 @@ mod tests {
         assert!(far_past(&s(100, 80, 0.1), 1.0));
         assert!(far_past(&s(100, 100, 4.5), 1.0));
         assert!(!far_past(&s(100, 100, 3.0), 1.0));
+    }
+
+    #[test]
+    fn a_ladder_ends_far_past_the_slo_or_after_two_misses_in_a_row() {
+        let end = LadderEnd::new(1.0);
+        assert!(!end.after(&s(100, 100, 0.5)));
+        assert!(!end.after(&s(100, 100, 1.5))); // one miss
+        assert!(!end.after(&s(100, 100, 0.9))); // met again: the count restarts
+        assert!(!end.after(&s(100, 100, 2.0)));
+        assert!(end.after(&s(100, 100, 1.2))); // the second miss in a row
+        assert!(LadderEnd::new(1.0).after(&s(100, 100, 4.5)));
+        assert!(LadderEnd::new(1.0).after(&s(100, 70, 0.5)));
     }
 
     #[test]
