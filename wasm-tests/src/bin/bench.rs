@@ -175,10 +175,9 @@ fn profile(kind: WorkloadKind, quick: bool) -> Profile {
     // part between 60 and 90 req/s on b2b-saas (the KV pool runs out), so its ladder steps by
     // 30 there and ends at 90: every router missed 120 by seconds in every run (p90 9-30 s
     // against 0.70), and that stage drains slowest. Code-generation's steps are fine from 2
-    // to 6 req/s, where they part. A
-    // reasoning stage drains only when its longest output (up to 160 model seconds) is done,
-    // so its full ladder is its top stage, 8 req/s: every target met 2, 4 and 8 in earlier
-    // runs (TTFT p90 0.32-0.38 s at 8 against the 2 s SLO).
+    // to 6 req/s, where they part. A reasoning stage drains only when its longest output (up
+    // to 160 model seconds) is done, so its full ladder is its top stage, 8 req/s: every
+    // target met 2, 4 and 8 in earlier runs (TTFT p90 0.32-0.38 s at 8 against the 2 s SLO).
     let (scale, time_factor, full, short): (f64, f64, &[f64], &[f64]) = match kind {
         SeedSim => (0.1, 0.5, &[4.0, 8.0, 16.0, 32.0, 48.0], &[5.0, 20.0, 40.0]),
         CodeGeneration => (0.1, 0.5, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[2.0, 6.0, 12.0]),
