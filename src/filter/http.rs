@@ -421,7 +421,7 @@ fn path_is(path: &str, want: &str) -> bool {
 
 /// The API a routed path speaks: the standard paths, else by suffix (for prefixed routes),
 /// else chat.
-fn api_kind(path: &str) -> ApiKind {
+pub(super) fn api_kind(path: &str) -> ApiKind {
     if let Some(k) = ApiKind::from_path(path) {
         return k;
     }

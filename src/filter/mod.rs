@@ -2,8 +2,9 @@
 //! it builds and is unit-tested natively (`testing::FakeHost`), and `wasm` binds it to
 //! proxy-wasm. `http` is one stream, `root` the configuration and the poller tick, `vm` what
 //! one VM keeps between requests, `stats` the Envoy stats, `memory` the VMs' memory gauges, `usage` reads response
-//! usage.
+//! usage, `bare` the yardstick of overhead runs.
 
+pub mod bare;
 pub mod host;
 pub mod http;
 pub mod memory;
@@ -17,6 +18,7 @@ pub mod testing;
 #[cfg(test)]
 mod tests;
 
+pub use bare::BareFilter;
 pub use host::{Host, HostError, Level, MetricKind, VmMemory};
 pub use http::{Action, HttpFilter};
 pub use root::Root;

@@ -73,9 +73,16 @@ impl RootContext for RootCtx {
         }
     }
 
+    #[cfg(not(feature = "overhead-baseline"))]
     fn create_http_context(&self, _: u32) -> Option<Box<dyn HttpContext>> {
         let vm = self.root.as_ref().map(Root::vm);
         Some(Box::new(HttpCtx(HttpFilter::new(vm))))
+    }
+
+    #[cfg(feature = "overhead-baseline")]
+    fn create_http_context(&self, _: u32) -> Option<Box<dyn HttpContext>> {
+        let vm = self.root.as_ref().map(Root::vm);
+        Some(Box::new(BareCtx(filter::BareFilter::new(vm))))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -83,6 +90,7 @@ impl RootContext for RootCtx {
     }
 }
 
+#[cfg_attr(feature = "overhead-baseline", allow(dead_code))]
 struct HttpCtx(HttpFilter);
 
 fn action(a: filter::Action) -> Action {
@@ -119,6 +127,24 @@ impl HttpContext for HttpCtx {
 
     fn on_log(&mut self) {
         self.0.on_log(&WasmHost);
+    }
+}
+
+/// `overhead-baseline` builds only: the yardstick filter (`filter::bare`).
+#[cfg(feature = "overhead-baseline")]
+struct BareCtx(filter::BareFilter);
+
+#[cfg(feature = "overhead-baseline")]
+impl Context for BareCtx {}
+
+#[cfg(feature = "overhead-baseline")]
+impl HttpContext for BareCtx {
+    fn on_http_request_headers(&mut self, _: usize, eos: bool) -> Action {
+        action(self.0.on_request_headers(&WasmHost, eos))
+    }
+
+    fn on_http_request_body(&mut self, size: usize, eos: bool) -> Action {
+        action(self.0.on_request_body(&WasmHost, size, eos))
     }
 }
 

@@ -1,6 +1,7 @@
 //! Test support for tokenaware: a simulated vLLM fleet ([`fleet`]), an Envoy harness
 //! ([`envoy`]), the load generator ([`loadgen`]), benchmark plots ([`plot`]), the OCI image
-//! writer ([`oci`]) and free loopback ports ([`ports`]).
+//! writer ([`oci`]), free loopback ports ([`ports`]) and the paired added-latency
+//! measurement ([`paired`]).
 //!
 //! Typical end-to-end test:
 //!
@@ -20,6 +21,7 @@ pub mod host;
 pub mod instant;
 pub mod loadgen;
 pub mod oci;
+pub mod paired;
 pub mod plot;
 pub mod ports;
 pub mod replicas;

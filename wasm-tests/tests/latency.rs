@@ -6,13 +6,17 @@
 //!     cargo test --release -p wasm-tests --test latency -- --ignored --nocapture
 //!
 //! `TOKENAWARE_LATENCY_EXTRA='{"routes":["/none"]}'` adds plugin-config fields, e.g. to
-//! measure the filter present but not routing.
+//! measure the filter present but not routing. `TOKENAWARE_LATENCY_BASELINE_WASM=PATH` loads
+//! that build (same plugin config) into the first gateway instead of none, e.g. the
+//! yardstick filter (`--features overhead-baseline`, `filter::bare`).
+//!
+//! Requests alternate between the gateways ([`wasm_tests::paired`]).
 
-use std::time::{Duration, Instant};
-
+use bytes::Bytes;
 use serde_json::json;
 use wasm_tests::envoy::{repo_root, Envoy, GatewayConfig};
 use wasm_tests::fleet::{Fleet, FleetConfig, Timing, MODEL};
+use wasm_tests::paired;
 
 const N: usize = 2_000;
 /// Requests before measuring: V8 first runs the module in its baseline compiler and tiers
@@ -30,12 +34,6 @@ fn body(bytes: usize, i: usize) -> String {
         ]
     })
     .to_string()
-}
-
-fn pct(v: &mut [Duration], p: f64) -> f64 {
-    v.sort();
-    let i = ((v.len() as f64 - 1.0) * p).round() as usize;
-    v[i].as_secs_f64() * 1e3
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -64,7 +62,10 @@ async fn added_latency() {
         }
     }
     let cfg = cfg.to_string();
-    let mut plain = GatewayConfig::new(eps.clone());
+    let mut plain = match std::env::var("TOKENAWARE_LATENCY_BASELINE_WASM") {
+        Ok(base) => GatewayConfig::new(eps.clone()).with_wasm(base, cfg.clone()),
+        Err(_) => GatewayConfig::new(eps.clone()),
+    };
     plain.concurrency = 1;
     let mut filtered = GatewayConfig::new(eps.clone()).with_wasm(wasm, cfg);
     filtered.concurrency = 1;
@@ -76,38 +77,26 @@ async fn added_latency() {
         .await
         .unwrap()
         .unwrap();
-    let client = || {
-        reqwest::Client::builder()
-            .pool_max_idle_per_host(1)
-            .timeout(Duration::from_secs(10))
-            .build()
-            .unwrap()
-    };
-    let (cp, cf) = (client(), client());
+    let urls = [
+        plain.url("/v1/chat/completions"),
+        filtered.url("/v1/chat/completions"),
+    ];
     for size in [4 * 1024, 220 * 1024] {
-        let (mut tp, mut tf) = (Vec::new(), Vec::new());
-        for i in 0..N + WARMUP {
-            let b = body(size, i);
-            for (c, url, out) in [
-                (&cp, plain.url("/v1/chat/completions"), &mut tp),
-                (&cf, filtered.url("/v1/chat/completions"), &mut tf),
-            ] {
-                let t = Instant::now();
-                let r = c.post(url).body(b.clone()).send().await.unwrap();
-                assert_eq!(r.status(), 200);
-                let _ = r.bytes().await.unwrap();
-                if i >= WARMUP {
-                    out.push(t.elapsed());
-                }
-            }
-        }
-        let (p50, f50) = (pct(&mut tp, 0.5), pct(&mut tf, 0.5));
-        let (p99, f99) = (pct(&mut tp, 0.99), pct(&mut tf, 0.99));
+        let body = |i| Bytes::from(body(size, i));
+        let m = paired::measure([&urls[0], &urls[1]], body, WARMUP, N)
+            .await
+            .unwrap();
+        assert_eq!((m.first.errors, m.second.errors), (0, 0));
         println!(
-            "{:>4} KB body, {N} requests each: plain p50 {p50:.3} ms p99 {p99:.3} ms | filter p50 {f50:.3} ms p99 {f99:.3} ms | added p50 {:.3} ms p99 {:.3} ms",
+            "{:>4} KB body, {N} requests each: plain p50 {:.3} ms p99 {:.3} ms | filter p50 {:.3} ms p99 {:.3} ms | added p50 {:.3} ms p99 {:.3} ms (median of pair differences {:.3} ms)",
             size / 1024,
-            f50 - p50,
-            f99 - p99
+            m.first.p50_ms,
+            m.first.p99_ms,
+            m.second.p50_ms,
+            m.second.p99_ms,
+            m.added_p50_ms(),
+            m.added_p99_ms(),
+            m.diff_p50_ms,
         );
     }
     let routed = filtered

@@ -1,11 +1,13 @@
-//! `overhead`: what the filter costs inside Envoy. Two Envoys (`--concurrency 2`), one plain
+//! `overhead`: what the filter costs inside Envoy. Two Envoys (`--concurrency 2`, or
+//! `--concurrency N`), one plain
 //! and one with tokenaware, run side by side in front of the same instant upstream
 //! ([`wasm_tests::instant`]: three loopback endpoints that answer every POST at once), and
 //! `wrk` drives each in turn with one chat body, rounds alternating which goes first:
 //!
 //! - throughput: `wrk -t2 -c<connections>` closed loop, requests/s and Envoy CPU time per
 //!   request (utime + stime of the Envoy process from `/proc/PID/stat`, over the run);
-//! - latency: `wrk -t1 -c1`, one request at a time, p50 and p99 (no queueing in the figure).
+//! - latency: [`wasm_tests::paired`], one request at a time to each gateway, alternating
+//!   (`--pairs` a round after 200 unmeasured), p50 and p99 (no queueing in the figure).
 //!
 //! ```sh
 //! cargo build --release --target wasm32-wasip1 -p tokenaware
@@ -27,6 +29,7 @@ use serde::Serialize;
 use serde_json::json;
 use wasm_tests::envoy::{repo_root, Envoy, GatewayConfig};
 use wasm_tests::fleet::MODEL;
+use wasm_tests::paired::{self, Latency};
 
 #[derive(Debug, Parser)]
 #[command(about = "Envoy with and without tokenaware: requests/s, added p99, CPU per request")]
@@ -57,6 +60,14 @@ struct Args {
     /// Extra plugin-config fields for the baseline build (default: `--extra`).
     #[arg(long)]
     baseline_extra: Option<String>,
+    /// Envoy worker threads of both gateways (issue 5's throughput figures use 2; its
+    /// latency figure, like the filter's own added-latency figure, one).
+    #[arg(long, default_value_t = 2)]
+    concurrency: u32,
+    /// Request pairs (one to each gateway) of a round's latency measurement, after 200
+    /// unmeasured ones.
+    #[arg(long, default_value_t = 3000)]
+    pairs: usize,
     #[arg(long, default_value = "target/overhead")]
     out_dir: PathBuf,
 }
@@ -97,8 +108,10 @@ struct Row {
     size: usize,
     plain_tput: Run,
     filter_tput: Run,
-    plain_lat: Run,
-    filter_lat: Run,
+    plain_lat: Latency,
+    filter_lat: Latency,
+    /// Median over pairs of (filter − plain) latency.
+    paired_p50_ms: f64,
     rps_ratio: f64,
     added_p50_ms: f64,
     added_p99_ms: f64,
@@ -225,14 +238,18 @@ async fn main() -> anyhow::Result<()> {
         }
         None => GatewayConfig::new(eps.clone()),
     };
-    let filtered = GatewayConfig::new(eps.clone()).with_wasm(&wasm, plugin);
+    let mut filtered = GatewayConfig::new(eps.clone()).with_wasm(&wasm, plugin);
+    let mut plain = plain;
+    plain.concurrency = args.concurrency;
+    filtered.concurrency = args.concurrency;
     let (plain, filtered) = tokio::task::spawn_blocking(move || {
         anyhow::Ok((Envoy::start(plain)?, Envoy::start(filtered)?))
     })
     .await??;
     println!(
-        "upstream: instant stub on {}; Envoy --concurrency 2 plain pid {} / filter pid {}",
+        "upstream: instant stub on {}; Envoy --concurrency {} plain pid {} / filter pid {}",
         eps.join(","),
+        args.concurrency,
         plain.pid(),
         filtered.pid()
     );
@@ -246,7 +263,8 @@ async fn main() -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for size in args.sizes.clone() {
         let body = dir.join(format!("body-{size}.json"));
-        std::fs::write(&body, chat_body(size))?;
+        let body_text = chat_body(size);
+        std::fs::write(&body, &body_text)?;
         for round in 0..args.rounds {
             // Alternate which gateway runs first, so drift in the machine's load is shared.
             let order = if round % 2 == 0 {
@@ -255,28 +273,28 @@ async fn main() -> anyhow::Result<()> {
                 [true, false]
             };
             let mut tput = [None, None];
-            let mut lat = [None, None];
             for with_filter in order {
                 let e = if with_filter { &filtered } else { &plain };
                 let url = e.url("/v1/chat/completions");
                 let (pid, secs, conns) = (e.pid(), args.secs, args.connections);
                 let (lua, body) = (lua.clone(), body.clone());
-                let (t, l) = tokio::task::spawn_blocking(move || {
-                    anyhow::Ok((
-                        wrk(&url, pid, 2, conns, secs, &lua, &body)?,
-                        wrk(&url, pid, 1, 1, secs, &lua, &body)?,
-                    ))
+                let t = tokio::task::spawn_blocking(move || {
+                    wrk(&url, pid, 2, conns, secs, &lua, &body)
                 })
                 .await??;
                 tput[usize::from(with_filter)] = Some(t);
-                lat[usize::from(with_filter)] = Some(l);
             }
             let [Some(pt), Some(ft)] = tput else {
                 bail!("missing run")
             };
-            let [Some(pl), Some(fl)] = lat else {
-                bail!("missing run")
-            };
+            let urls = [
+                plain.url("/v1/chat/completions"),
+                filtered.url("/v1/chat/completions"),
+            ];
+            let text = bytes::Bytes::from(body_text.clone());
+            let lat =
+                paired::measure([&urls[0], &urls[1]], |_| text.clone(), 200, args.pairs).await?;
+            let (pl, fl, paired) = (lat.first, lat.second, lat.diff_p50_ms);
             let row = Row {
                 round,
                 size,
@@ -284,13 +302,14 @@ async fn main() -> anyhow::Result<()> {
                 added_p50_ms: fl.p50_ms - pl.p50_ms,
                 added_p99_ms: fl.p99_ms - pl.p99_ms,
                 added_cpu_us: ft.cpu_us_per_req - pt.cpu_us_per_req,
+                paired_p50_ms: paired,
                 plain_tput: pt,
                 filter_tput: ft,
                 plain_lat: pl,
                 filter_lat: fl,
             };
             println!(
-                "{:>6} B round {round}: rps plain {:.0} filter {:.0} ({:.1} %) | 1-conn p50 {:.3}/{:.3} ms p99 {:.3}/{:.3} ms (added p99 {:+.3}) | CPU/req {:.0}/{:.0} µs | errors {}/{}",
+                "{:>6} B round {round}: rps plain {:.0} filter {:.0} ({:.1} %) | 1-conn p50 {:.3}/{:.3} ms p99 {:.3}/{:.3} ms (added p50 {:+.3}, paired {:+.3}, p99 {:+.3}; {} pairs) | CPU/req {:.0}/{:.0} µs | errors {}/{}",
                 size,
                 pt.rps,
                 ft.rps,
@@ -299,7 +318,10 @@ async fn main() -> anyhow::Result<()> {
                 fl.p50_ms,
                 pl.p99_ms,
                 fl.p99_ms,
+                row.added_p50_ms,
+                row.paired_p50_ms,
                 row.added_p99_ms,
+                fl.requests,
                 pt.cpu_us_per_req,
                 ft.cpu_us_per_req,
                 pt.errors + pl.errors,
@@ -310,18 +332,19 @@ async fn main() -> anyhow::Result<()> {
     }
 
     println!("\nsummary (min / median / max over rounds)");
-    println!("| body | rps plain | rps filter | filter/plain | added p50 ms | added p99 ms | CPU µs/req plain | CPU µs/req filter |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| body | rps plain | rps filter | filter/plain | added p50 ms | paired p50 ms | added p99 ms | CPU µs/req plain | CPU µs/req filter |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for size in &args.sizes {
         let rs: Vec<&Row> = rows.iter().filter(|r| r.size == *size).collect();
         let col = |f: &dyn Fn(&Row) -> f64| spread(rs.iter().map(|r| f(r)).collect());
         println!(
-            "| {} B | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} B | {} | {} | {} | {} | {} | {} | {} | {} |",
             size,
             col(&|r| r.plain_tput.rps),
             col(&|r| r.filter_tput.rps),
             col(&|r| r.rps_ratio),
             col(&|r| r.added_p50_ms),
+            col(&|r| r.paired_p50_ms),
             col(&|r| r.added_p99_ms),
             col(&|r| r.plain_tput.cpu_us_per_req),
             col(&|r| r.filter_tput.cpu_us_per_req),
