@@ -227,6 +227,10 @@ pub struct Config {
     /// How old a shared-data read may be when a decision uses it again, ms (0: read every
     /// time). Other workers' writes show this much late; this VM's own at once.
     pub shared_read_max_age_ms: u64,
+    /// How long stats updates are held before they reach Envoy, ms (0: every update at
+    /// once). Held updates go out on the first tick this long after the last flush, so a
+    /// request makes no stats hostcalls (about 20 µs a request in Envoy).
+    pub stats_flush_ms: u64,
 }
 
 fn default_discovery_interval_ms() -> u64 {
@@ -282,6 +286,7 @@ impl Default for Config {
             namespace: "tokenaware".into(),
             index_headroom: 2.0,
             shared_read_max_age_ms: 5,
+            stats_flush_ms: 1_000,
         }
     }
 }
@@ -378,6 +383,7 @@ impl Config {
             0.0,
             1_000.0,
         )?;
+        check_range("statsFlushMs", self.stats_flush_ms as f64, 0.0, 60_000.0)?;
         if let Some(
             PeakPrefill::TokensPerSecond(r)
             | PeakPrefill::Auto {

@@ -194,6 +194,8 @@ impl Root {
         // The tick may write the tables; decisions re-read them after it.
         self.vm.recent.clear();
         let Ok(now) = h.now_ms() else { return };
+        // Every VM sends its own held stats (requests ran on each).
+        self.vm.stats.flush(h, now);
         // Every VM, poller or not: its own linear memory into the process-wide gauges.
         if let Some(me) = h.vm_memory() {
             if let Ok(sum) = memory::record(h, &self.vm.keys.vms, me, now) {

@@ -3,6 +3,13 @@
 //! worker VMs, gauges are last-writer-wins (so the VM memory gauges are summed through
 //! shared data first, see `memory`). A metric that fails to define or update is
 //! skipped: stats never fail a request.
+//!
+//! With `statsFlushMs` > 0 (the default) counter and histogram updates are held in the VM
+//! and go out on a tick: each update is a hostcall, and six a request cost about 20 µs of
+//! added latency in Envoy. Counters add up while held; histogram samples are kept one by
+//! one, at most `MAX_HELD_SAMPLES` (then they go out at once).
+
+use std::cell::RefCell;
 
 use super::host::{Host, MetricKind};
 use super::memory::Summary;
@@ -174,7 +181,20 @@ pub fn endpoint_gauge_name(slot: u16) -> String {
     format!("tokenaware_endpoint_{slot}_inflight_tokens")
 }
 
-/// Metric ids of one VM.
+/// Histogram samples held between flushes, at most (one request records two).
+pub const MAX_HELD_SAMPLES: usize = 1_024;
+
+/// Updates not yet sent to Envoy.
+#[derive(Debug, Clone, Default)]
+struct Held {
+    /// (metric id, sum); one entry per counter updated since the last flush.
+    counters: Vec<(u32, u64)>,
+    /// (metric id, value), in order.
+    samples: Vec<(u32, u64)>,
+    last_flush_ms: u64,
+}
+
+/// Metric ids of one VM, and the updates it holds.
 #[derive(Debug, Clone, Default)]
 pub struct Stats {
     decisions: [Option<u32>; Reason::ALL.len()],
@@ -184,10 +204,14 @@ pub struct Stats {
     token_estimate: Option<u32>,
     /// Gauges: VM memory summed, the largest VM's, VM count.
     vm_memory: [Option<u32>; 3],
+    /// `statsFlushMs`: 0 sends every update at once.
+    flush_every_ms: u64,
+    held: RefCell<Held>,
 }
 
 impl Stats {
-    pub fn define<H: Host + ?Sized>(h: &H) -> Stats {
+    /// Defines every metric; updates are held `flush_every_ms` (0: none).
+    pub fn define<H: Host + ?Sized>(h: &H, flush_every_ms: u64) -> Stats {
         let mut s = Stats::default();
         for (slot, r) in s.decisions.iter_mut().zip(Reason::ALL) {
             *slot = h
@@ -209,6 +233,7 @@ impl Stats {
             *slot = h.define_metric(MetricKind::Counter, c.name()).ok();
         }
         s.hit_ratio = h.define_metric(MetricKind::Histogram, HIT_RATIO).ok();
+        s.flush_every_ms = flush_every_ms;
         s.token_estimate = h.define_metric(MetricKind::Histogram, TOKEN_ESTIMATE).ok();
         for (slot, name) in s.vm_memory.iter_mut().zip([VM_MEMORY, VM_MEMORY_MAX, VMS]) {
             *slot = h.define_metric(MetricKind::Gauge, name).ok();
@@ -229,9 +254,70 @@ impl Stats {
         }
     }
 
+    /// Sends the held updates when `now_ms` is `statsFlushMs` past the last flush.
+    pub fn flush<H: Host + ?Sized>(&self, h: &H, now_ms: u64) {
+        let held = match self.held.try_borrow_mut() {
+            Ok(mut held) if now_ms >= held.last_flush_ms.saturating_add(self.flush_every_ms) => {
+                held.last_flush_ms = now_ms;
+                Held {
+                    counters: std::mem::take(&mut held.counters),
+                    samples: std::mem::take(&mut held.samples),
+                    last_flush_ms: now_ms,
+                }
+            }
+            _ => return,
+        };
+        send(h, held);
+    }
+
+    /// Updates held now (tests and the debug path).
+    pub fn held_updates(&self) -> usize {
+        self.held
+            .try_borrow()
+            .map_or(0, |held| held.counters.len() + held.samples.len())
+    }
+
+    fn count<H: Host + ?Sized>(&self, h: &H, id: Option<u32>, n: u64) {
+        let Some(id) = id else { return };
+        let held = (self.flush_every_ms > 0)
+            .then(|| self.held.try_borrow_mut().ok())
+            .flatten();
+        let Some(mut held) = held else {
+            let _ = h.increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
+            return;
+        };
+        match held.counters.iter_mut().find(|(i, _)| *i == id) {
+            Some((_, sum)) => *sum = sum.saturating_add(n),
+            None => held.counters.push((id, n)),
+        }
+    }
+
+    fn sample<H: Host + ?Sized>(&self, h: &H, id: Option<u32>, v: u64) {
+        let Some(id) = id else { return };
+        let held = (self.flush_every_ms > 0)
+            .then(|| self.held.try_borrow_mut().ok())
+            .flatten();
+        let Some(mut held) = held else {
+            let _ = h.record_metric(id, v);
+            return;
+        };
+        held.samples.push((id, v));
+        if held.samples.len() >= MAX_HELD_SAMPLES {
+            let samples = std::mem::take(&mut held.samples);
+            drop(held);
+            send(
+                h,
+                Held {
+                    samples,
+                    ..Held::default()
+                },
+            );
+        }
+    }
+
     pub fn add<H: Host + ?Sized>(&self, h: &H, c: Counter, n: u64) {
         if n > 0 {
-            bump(h, self.counters.get(c.index()).copied().flatten(), n);
+            self.count(h, self.counters.get(c.index()).copied().flatten(), n);
         }
     }
 
@@ -241,7 +327,7 @@ impl Stats {
 
     pub fn decision<H: Host + ?Sized>(&self, h: &H, r: Reason) {
         let i = Reason::ALL.iter().position(|x| *x == r);
-        bump(
+        self.count(
             h,
             i.and_then(|i| self.decisions.get(i).copied().flatten()),
             1,
@@ -249,25 +335,26 @@ impl Stats {
     }
 
     pub fn fallback<H: Host + ?Sized>(&self, h: &H, f: Fallback) {
-        bump(h, self.fallbacks.get(f.index()).copied().flatten(), 1);
+        self.count(h, self.fallbacks.get(f.index()).copied().flatten(), 1);
     }
 
     pub fn token_estimate<H: Host + ?Sized>(&self, h: &H, served: u64, estimated: u64) {
-        if let (Some(id), true) = (self.token_estimate, estimated > 0) {
-            let _ = h.record_metric(id, served.saturating_mul(100) / estimated);
+        if let Some(per_100) = served.saturating_mul(100).checked_div(estimated) {
+            self.sample(h, self.token_estimate, per_100);
         }
     }
 
     pub fn hit_ratio<H: Host + ?Sized>(&self, h: &H, hit: f64) {
-        if let Some(id) = self.hit_ratio {
-            let pct = (hit.clamp(0.0, 1.0) * 100.0).round() as u64;
-            let _ = h.record_metric(id, pct);
-        }
+        let pct = (hit.clamp(0.0, 1.0) * 100.0).round() as u64;
+        self.sample(h, self.hit_ratio, pct);
     }
 }
 
-fn bump<H: Host + ?Sized>(h: &H, id: Option<u32>, n: u64) {
-    if let Some(id) = id {
+fn send<H: Host + ?Sized>(h: &H, held: Held) {
+    for (id, n) in held.counters {
         let _ = h.increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
+    }
+    for (id, v) in held.samples {
+        let _ = h.record_metric(id, v);
     }
 }

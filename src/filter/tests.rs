@@ -13,8 +13,15 @@ use crate::ledger::Load;
 const EPS: &str = r#""endpoints":[{"address":"127.0.0.1:8001"},{"address":"127.0.0.1:8002"},{"address":"127.0.0.1:8003"}]"#;
 const CHAT: &str = "/v1/chat/completions";
 
+/// Stats go out at once (`statsFlushMs` 0) unless `extra` says otherwise, so a test reads
+/// them right after a request.
 fn root(h: &FakeHost, extra: &str, id: u64) -> Root {
-    let json = format!("{{{EPS}{extra}}}");
+    let flush = if extra.contains("statsFlushMs") {
+        ""
+    } else {
+        r#","statsFlushMs":0"#
+    };
+    let json = format!("{{{EPS}{flush}{extra}}}");
     match Root::configure(h, json.as_bytes(), id) {
         Ok(r) => r,
         Err(e) => panic!("{e}"),
@@ -540,7 +547,7 @@ fn failed_polls_take_an_endpoint_out_of_rotation() {
 #[test]
 fn discovery_reconciles_the_table() {
     let h = FakeHost::new();
-    let json = r#"{"discovery":{"adminCluster":"admin","modelCluster":"models","intervalMs":100}}"#;
+    let json = r#"{"discovery":{"adminCluster":"admin","modelCluster":"models","intervalMs":100},"statsFlushMs":0}"#;
     let mut r = match Root::configure(&h, json.as_bytes(), 1) {
         Ok(r) => r,
         Err(e) => panic!("{e}"),
@@ -781,7 +788,7 @@ fn discover(h: &FakeHost, r: &mut Root, ports: &[u16]) {
 #[test]
 fn a_request_on_a_departed_endpoint_does_not_release_its_successor() {
     let h = FakeHost::new();
-    let json = r#"{"discovery":{"adminCluster":"admin","modelCluster":"models","intervalMs":100}}"#;
+    let json = r#"{"discovery":{"adminCluster":"admin","modelCluster":"models","intervalMs":100},"statsFlushMs":0}"#;
     let mut r = match Root::configure(&h, json.as_bytes(), 1) {
         Ok(r) => r,
         Err(e) => panic!("{e}"),
@@ -873,7 +880,7 @@ fn a_new_static_list_replaces_the_stored_table_and_keeps_slots() {
         }
     }
     let slot = vm_a.table(&h).get(&warm).unwrap().slot;
-    let json = r#"{"endpoints":[{"address":"127.0.0.1:8002"},{"address":"127.0.0.1:8003"},{"address":"127.0.0.1:8004"}],"decisionHeader":true}"#;
+    let json = r#"{"endpoints":[{"address":"127.0.0.1:8002"},{"address":"127.0.0.1:8003"},{"address":"127.0.0.1:8004"}],"decisionHeader":true,"statsFlushMs":0}"#;
     let b = match Root::configure(&h, json.as_bytes(), 2) {
         Ok(r) => r,
         Err(e) => panic!("{e}"),
@@ -1033,4 +1040,49 @@ fn back_to_back_decisions_reuse_recent_reads() {
     }
     let gets_fresh = h.calls_since(&before).get("get").copied().unwrap_or(0);
     assert!(gets_fresh >= 10 * 12, "{gets_fresh}");
+}
+
+#[test]
+fn stats_are_held_until_a_tick_past_stats_flush_ms() {
+    // The default holds updates: a request makes no stats hostcalls.
+    let h = FakeHost::new();
+    let mut r = root(&h, r#","statsFlushMs":1000"#, 7);
+    let vm = r.vm();
+    r.on_tick(&h);
+    let before = h.calls.borrow().clone();
+    for q in 0..3 {
+        let (mut f, _) = send(&h, &vm, CHAT, &chat("s", &format!("q{q}")));
+        respond(&h, &mut f, br#"{"usage":{"prompt_tokens":9}}"#);
+    }
+    let calls = h.calls_since(&before);
+    assert!(!calls.contains_key("increment_metric"), "{calls:?}");
+    assert!(!calls.contains_key("record_metric"), "{calls:?}");
+    assert_eq!(h.metric("tokenaware_requests_routed"), 0);
+    assert!(vm.stats.held_updates() > 0);
+    // A tick before statsFlushMs keeps them; the first one after sends them, summed.
+    h.now.set(h.now.get() + 500);
+    r.on_tick(&h);
+    assert_eq!(h.metric("tokenaware_requests_routed"), 0);
+    h.now.set(h.now.get() + 500);
+    r.on_tick(&h);
+    assert_eq!(h.metric("tokenaware_requests_routed"), 3);
+    assert_eq!(h.metric("tokenaware_usage_prompt_tokens"), 27);
+    assert_eq!(h.histogram(super::stats::HIT_RATIO).len(), 3);
+    assert_eq!(vm.stats.held_updates(), 0);
+}
+
+#[test]
+fn held_histogram_samples_are_bounded() {
+    let h = FakeHost::new();
+    let vm = vm(&h, r#","statsFlushMs":60000"#);
+    let n = super::stats::MAX_HELD_SAMPLES + 10;
+    for _ in 0..n {
+        vm.stats.hit_ratio(&h, 0.5);
+    }
+    // The bound sent the first MAX_HELD_SAMPLES at once; the rest wait.
+    assert_eq!(
+        h.histogram(super::stats::HIT_RATIO).len(),
+        super::stats::MAX_HELD_SAMPLES
+    );
+    assert_eq!(vm.stats.held_updates(), 10);
 }

@@ -70,12 +70,13 @@ impl Vm {
         let mut router = Router::new(cfg.clone());
         router.set_seq(id);
         let _ = router.sync_capacities(h, &static_table.endpoints);
+        let stats = Stats::define(h, cfg.stats_flush_ms);
         Vm {
             keys: Keys::new(&cfg.namespace),
             recent: RecentReads::new(cfg.shared_read_max_age_ms, RECENT_READS_BYTES),
             cfg,
             router: RefCell::new(router),
-            stats: Stats::define(h),
+            stats,
             id,
             cached: RefCell::new(Cached {
                 version: None,

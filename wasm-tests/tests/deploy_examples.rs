@@ -884,6 +884,10 @@ fn serve_prompt(mut boot: Value, model_cluster: &str, bytes: usize) -> (Option<u
     let body = support::chat(&support::system(0, bytes), "Summarise.");
     assert!(body.len() >= bytes);
     let status = envoy.post("llm.example.com", support::CHAT, &body);
+    // The examples keep the default `statsFlushMs`: the count reaches Envoy on a tick.
+    if status == Some(200) {
+        envoy.wait_stat("tokenaware_requests_routed", 1, Duration::from_secs(5));
+    }
     (
         status,
         envoy.stat("tokenaware_requests_routed"),

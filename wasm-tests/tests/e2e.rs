@@ -41,14 +41,15 @@ struct Gateway {
     http: reqwest::Client,
 }
 
-/// Plugin config for the fleet's endpoints: static list, decision header, debug path, plus
-/// `extra` top-level fields (a JSON object's inner text, may be empty).
+/// Plugin config for the fleet's endpoints: static list, decision header, debug path, stats
+/// sent at once, plus `extra` top-level fields (a JSON object's inner text, may be empty).
 fn plugin_config(eps: &[String], extra: &str) -> String {
     let list: Vec<Value> = eps.iter().map(|a| json!({ "address": a })).collect();
     let mut v = json!({
         "endpoints": list,
         "decisionHeader": true,
         "debugPath": DEBUG,
+        "statsFlushMs": 0,
     });
     if !extra.is_empty() {
         let more: Value = serde_json::from_str(&format!("{{{extra}}}")).unwrap();
@@ -699,6 +700,7 @@ async fn discovery_from_envoy_admin() {
             "discovery": {"adminCluster": "admin", "modelCluster": "models", "intervalMs": 200},
             "decisionHeader": true,
             "debugPath": DEBUG,
+            "statsFlushMs": 0,
         })
         .to_string()
     })

@@ -232,7 +232,7 @@ async fn an_unreachable_admin_cluster_falls_back_without_hanging() {
             admin_cluster_port: Some(dead),
             ..g
         },
-        |_| json!({"discovery": discovery, "decisionHeader": true, "debugPath": DEBUG}).to_string(),
+        |_| json!({"discovery": discovery, "decisionHeader": true, "debugPath": DEBUG, "statsFlushMs": 0}).to_string(),
     )
     .await;
     gw.stat_at_least("tokenaware_discovery_failed", 3, 10).await;
@@ -279,7 +279,7 @@ async fn the_endpoint_set_changes_while_requests_are_in_flight() {
     let mut cfg = GatewayConfig::new(all[..3].to_vec()).with_wasm(
         wasm_path(),
         json!({"discovery": {"adminCluster": "admin", "modelCluster": "models", "intervalMs": 100},
-               "decisionHeader": true, "debugPath": DEBUG})
+               "decisionHeader": true, "debugPath": DEBUG, "statsFlushMs": 0})
         .to_string(),
     );
     cfg.dynamic_endpoints = true;

@@ -26,11 +26,12 @@ fn wasm() -> PathBuf {
     p
 }
 
-/// The static 3-endpoint config plus `extra` top-level fields.
+/// The static 3-endpoint config (stats sent at once) plus `extra` top-level fields.
 fn config(extra: Value) -> Vec<u8> {
     let mut v = json!({
         "endpoints": EPS.iter().map(|a| json!({ "address": a })).collect::<Vec<_>>(),
         "debugPath": DEBUG,
+        "statsFlushMs": 0,
     });
     if let (Some(v), Some(extra)) = (v.as_object_mut(), extra.as_object()) {
         v.extend(extra.clone());

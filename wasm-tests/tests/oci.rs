@@ -329,7 +329,8 @@ async fn pushed_image_pulls_back_and_routes_in_envoy() {
     .unwrap();
     let eps = fleet.endpoints();
     let list: Vec<_> = eps.iter().map(|a| json!({ "address": a })).collect();
-    let config = json!({ "endpoints": list, "decisionHeader": true }).to_string();
+    let config =
+        json!({ "endpoints": list, "decisionHeader": true, "statsFlushMs": 0 }).to_string();
     let envoy = tokio::task::spawn_blocking(move || {
         Envoy::start(GatewayConfig::new(eps).with_wasm(plugin_path, config))
     })

@@ -175,7 +175,7 @@ async fn the_debug_path_and_decision_header_are_off_unless_configured() {
     // Off: the debug path is an ordinary request (the model server's 404), no decision header.
     let gw = start(fleet(3, 0.01), |eps| {
         let list: Vec<_> = eps.iter().map(|a| json!({ "address": a })).collect();
-        json!({ "endpoints": list }).to_string()
+        json!({ "endpoints": list, "statsFlushMs": 0 }).to_string()
     })
     .await;
     let r = gw.http.get(gw.envoy.url(DEBUG)).send().await.unwrap();
@@ -298,7 +298,7 @@ async fn metric_polls_reach_only_configured_or_discovered_endpoints() {
         |_| {
             json!({"discovery": {"adminCluster": "admin", "modelCluster": "models", "intervalMs": 100},
                    "metrics": {"cluster": "models", "intervalMs": 100, "timeoutMs": 500},
-                   "debugPath": DEBUG})
+                   "debugPath": DEBUG, "statsFlushMs": 0})
             .to_string()
         },
     )

@@ -76,11 +76,13 @@ pub fn fleet(endpoints: usize, time_factor: f64) -> FleetConfig {
     }
 }
 
-/// Plugin config: the static endpoint list, decision header and debug path, plus `extra`
+/// Plugin config: the static endpoint list, decision header and debug path, stats sent at
+/// once (`statsFlushMs` 0, so a test reads them right after a request), plus `extra`
 /// top-level fields (a JSON object's inner text, may be empty).
 pub fn plugin_config(eps: &[String], extra: &str) -> String {
     let list: Vec<Value> = eps.iter().map(|a| json!({ "address": a })).collect();
-    let mut v = json!({ "endpoints": list, "decisionHeader": true, "debugPath": DEBUG });
+    let mut v =
+        json!({ "endpoints": list, "decisionHeader": true, "debugPath": DEBUG, "statsFlushMs": 0 });
     merge(&mut v, extra);
     v.to_string()
 }
