@@ -344,6 +344,12 @@ fn report_learned(gw: &Gateway, p: &Profile, endpoints: usize, target: &str) {
 /// report's explanations).
 fn report_decisions(gw: &Gateway, target: &str) {
     let Gateway::Envoy(e) = gw else { return };
+    if !target.starts_with("tokenaware") {
+        return;
+    }
+    // The filter's counters reach Envoy on a tick, up to `statsFlushMs` (1 s) and one tick
+    // after the last request.
+    std::thread::sleep(std::time::Duration::from_millis(2_100));
     let count = |name: &str| {
         e.stat(&format!("wasmcustom.tokenaware_{name}"))
             .ok()
