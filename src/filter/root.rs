@@ -177,6 +177,11 @@ impl Root {
         self.vm.clone()
     }
 
+    /// The VM is being removed: what its stats hold goes out now.
+    pub fn on_done<H: Host>(&self, h: &H) {
+        self.vm.stats.flush_all(h);
+    }
+
     /// The tick period: the shortest configured interval, else one second.
     pub fn tick_period_ms(&self) -> u64 {
         let c = &self.vm.cfg;

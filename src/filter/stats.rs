@@ -212,7 +212,10 @@ pub struct Stats {
 impl Stats {
     /// Defines every metric; updates are held `flush_every_ms` (0: none).
     pub fn define<H: Host + ?Sized>(h: &H, flush_every_ms: u64) -> Stats {
-        let mut s = Stats::default();
+        let mut s = Stats {
+            flush_every_ms,
+            ..Stats::default()
+        };
         for (slot, r) in s.decisions.iter_mut().zip(Reason::ALL) {
             *slot = h
                 .define_metric(
@@ -233,7 +236,6 @@ impl Stats {
             *slot = h.define_metric(MetricKind::Counter, c.name()).ok();
         }
         s.hit_ratio = h.define_metric(MetricKind::Histogram, HIT_RATIO).ok();
-        s.flush_every_ms = flush_every_ms;
         s.token_estimate = h.define_metric(MetricKind::Histogram, TOKEN_ESTIMATE).ok();
         for (slot, name) in s.vm_memory.iter_mut().zip([VM_MEMORY, VM_MEMORY_MAX, VMS]) {
             *slot = h.define_metric(MetricKind::Gauge, name).ok();
@@ -270,7 +272,20 @@ impl Stats {
         send(h, held);
     }
 
-    /// Updates held now (tests and the debug path).
+    /// Sends every held update, however recent.
+    pub fn flush_all<H: Host + ?Sized>(&self, h: &H) {
+        let held = match self.held.try_borrow_mut() {
+            Ok(mut held) => Held {
+                counters: std::mem::take(&mut held.counters),
+                samples: std::mem::take(&mut held.samples),
+                last_flush_ms: held.last_flush_ms,
+            },
+            Err(_) => return,
+        };
+        send(h, held);
+    }
+
+    /// Updates held now.
     pub fn held_updates(&self) -> usize {
         self.held
             .try_borrow()

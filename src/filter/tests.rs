@@ -1069,6 +1069,13 @@ fn stats_are_held_until_a_tick_past_stats_flush_ms() {
     assert_eq!(h.metric("tokenaware_usage_prompt_tokens"), 27);
     assert_eq!(h.histogram(super::stats::HIT_RATIO).len(), 3);
     assert_eq!(vm.stats.held_updates(), 0);
+    // A VM being removed sends what it holds at once.
+    let (mut f, _) = send(&h, &vm, CHAT, &chat("s", "q9"));
+    respond(&h, &mut f, b"{}");
+    assert_eq!(h.metric("tokenaware_requests_routed"), 3);
+    r.on_done(&h);
+    assert_eq!(h.metric("tokenaware_requests_routed"), 4);
+    assert_eq!(vm.stats.held_updates(), 0);
 }
 
 #[test]

@@ -30,6 +30,14 @@ impl Context for RootCtx {
             r.on_call_response(&WasmHost, token, headers, body);
         }
     }
+
+    /// The plugin is being removed (reconfigured or Envoy draining): send held stats.
+    fn on_done(&mut self) -> bool {
+        if let Some(r) = self.root.as_ref() {
+            r.on_done(&WasmHost);
+        }
+        true
+    }
 }
 
 impl RootContext for RootCtx {
