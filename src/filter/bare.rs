@@ -4,7 +4,8 @@
 //! hash falls on. No shared tables, no decision, no response path, no stats. Only builds
 //! with the `overhead-baseline` feature put it into the `.wasm` (in place of the real
 //! filter); `overhead --baseline-wasm` then compares the two, so the difference is what the
-//! tables, the decision and the response path cost inside Envoy.
+//! tables, the decision and the response path cost inside Envoy. Never for traffic: a
+//! client-sent destination header survives any request it does not route.
 
 use std::rc::Rc;
 
