@@ -9,7 +9,7 @@
 //! added latency in Envoy. Counters add up while held; histogram samples are kept one by
 //! one, at most `MAX_HELD_SAMPLES` (then they go out at once).
 
-use std::cell::RefCell;
+use std::cell::{RefCell, RefMut};
 
 use super::host::{Host, MetricKind};
 use super::memory::Summary;
@@ -186,11 +186,16 @@ pub const MAX_HELD_SAMPLES: usize = 1_024;
 
 /// Updates not yet sent to Envoy.
 #[derive(Debug, Clone, Default)]
-struct Held {
+struct Updates {
     /// (metric id, sum); one entry per counter updated since the last flush.
     counters: Vec<(u32, u64)>,
     /// (metric id, value), in order.
     samples: Vec<(u32, u64)>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Held {
+    updates: Updates,
     last_flush_ms: u64,
 }
 
@@ -258,75 +263,64 @@ impl Stats {
 
     /// Sends the held updates when `now_ms` is `statsFlushMs` past the last flush.
     pub fn flush<H: Host + ?Sized>(&self, h: &H, now_ms: u64) {
-        let held = match self.held.try_borrow_mut() {
+        let updates = match self.held.try_borrow_mut() {
             Ok(mut held) if now_ms >= held.last_flush_ms.saturating_add(self.flush_every_ms) => {
                 held.last_flush_ms = now_ms;
-                Held {
-                    counters: std::mem::take(&mut held.counters),
-                    samples: std::mem::take(&mut held.samples),
-                    last_flush_ms: now_ms,
-                }
+                std::mem::take(&mut held.updates)
             }
             _ => return,
         };
-        send(h, held);
+        send(h, updates);
     }
 
     /// Sends every held update, however recent.
     pub fn flush_all<H: Host + ?Sized>(&self, h: &H) {
-        let held = match self.held.try_borrow_mut() {
-            Ok(mut held) => Held {
-                counters: std::mem::take(&mut held.counters),
-                samples: std::mem::take(&mut held.samples),
-                last_flush_ms: held.last_flush_ms,
-            },
+        let updates = match self.held.try_borrow_mut() {
+            Ok(mut held) => std::mem::take(&mut held.updates),
             Err(_) => return,
         };
-        send(h, held);
+        send(h, updates);
     }
 
     /// Updates held now.
     pub fn held_updates(&self) -> usize {
-        self.held
-            .try_borrow()
-            .map_or(0, |held| held.counters.len() + held.samples.len())
+        self.held.try_borrow().map_or(0, |held| {
+            held.updates.counters.len() + held.updates.samples.len()
+        })
+    }
+
+    /// The held updates, when updates are held (and not already borrowed).
+    fn holding(&self) -> Option<RefMut<'_, Held>> {
+        (self.flush_every_ms > 0)
+            .then(|| self.held.try_borrow_mut().ok())
+            .flatten()
     }
 
     fn count<H: Host + ?Sized>(&self, h: &H, id: Option<u32>, n: u64) {
         let Some(id) = id else { return };
-        let held = (self.flush_every_ms > 0)
-            .then(|| self.held.try_borrow_mut().ok())
-            .flatten();
-        let Some(mut held) = held else {
+        let Some(mut held) = self.holding() else {
             let _ = h.increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
             return;
         };
-        match held.counters.iter_mut().find(|(i, _)| *i == id) {
+        let counters = &mut held.updates.counters;
+        match counters.iter_mut().find(|(i, _)| *i == id) {
             Some((_, sum)) => *sum = sum.saturating_add(n),
-            None => held.counters.push((id, n)),
+            None => counters.push((id, n)),
         }
     }
 
     fn sample<H: Host + ?Sized>(&self, h: &H, id: Option<u32>, v: u64) {
         let Some(id) = id else { return };
-        let held = (self.flush_every_ms > 0)
-            .then(|| self.held.try_borrow_mut().ok())
-            .flatten();
-        let Some(mut held) = held else {
+        let Some(mut held) = self.holding() else {
             let _ = h.record_metric(id, v);
             return;
         };
-        held.samples.push((id, v));
-        if held.samples.len() >= MAX_HELD_SAMPLES {
-            let samples = std::mem::take(&mut held.samples);
+        held.updates.samples.push((id, v));
+        if held.updates.samples.len() >= MAX_HELD_SAMPLES {
+            let samples = std::mem::take(&mut held.updates.samples);
             drop(held);
-            send(
-                h,
-                Held {
-                    samples,
-                    ..Held::default()
-                },
-            );
+            let counters = Vec::new();
+            send(h, Updates { counters, samples });
         }
     }
 
@@ -365,11 +359,11 @@ impl Stats {
     }
 }
 
-fn send<H: Host + ?Sized>(h: &H, held: Held) {
-    for (id, n) in held.counters {
+fn send<H: Host + ?Sized>(h: &H, updates: Updates) {
+    for (id, n) in updates.counters {
         let _ = h.increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
     }
-    for (id, v) in held.samples {
+    for (id, v) in updates.samples {
         let _ = h.record_metric(id, v);
     }
 }
