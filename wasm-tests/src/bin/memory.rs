@@ -243,6 +243,8 @@ async fn main() -> anyhow::Result<()> {
         "requests per endpoint: min {lo} max {hi}, i.e. at least {} blocks sent to each (capacity {per_ep})",
         lo * MAX_BLOCKS as u64
     );
+    // Also past the filter's own `statsFlushMs` (1 s): its counters are complete.
+    tokio::time::sleep(FLUSH).await;
     let (_, stats) = envoy.admin_get("/stats?filter=tokenaware")?;
     let per_endpoint = |l: &str| l.contains("tokenaware_endpoint_");
     for l in stats
@@ -251,7 +253,6 @@ async fn main() -> anyhow::Result<()> {
     {
         println!("  {l}");
     }
-    tokio::time::sleep(FLUSH).await;
     let full = sample(&envoy)?;
     show("index full", full);
     println!(

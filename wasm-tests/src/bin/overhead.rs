@@ -57,6 +57,10 @@ struct Args {
     /// compare two builds of the filter instead of the filter against none.
     #[arg(long)]
     baseline_wasm: Option<PathBuf>,
+    /// Load this `.wasm` into the filter Envoy instead of the release build (e.g. the
+    /// `overhead-baseline` yardstick, to see what buffering and parsing alone cost).
+    #[arg(long)]
+    wasm: Option<PathBuf>,
     /// Extra plugin-config fields for the baseline build (default: `--extra`).
     #[arg(long)]
     baseline_extra: Option<String>,
@@ -222,7 +226,10 @@ fn with_extra(mut plugin: serde_json::Value, extra: Option<&str>) -> anyhow::Res
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let wasm = repo_root().join("target/wasm32-wasip1/release/tokenaware.wasm");
+    let wasm = args
+        .wasm
+        .clone()
+        .unwrap_or_else(|| repo_root().join("target/wasm32-wasip1/release/tokenaware.wasm"));
     anyhow::ensure!(
         wasm.is_file(),
         "build the filter first: cargo build --release --target wasm32-wasip1 -p tokenaware"
