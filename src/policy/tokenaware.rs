@@ -20,9 +20,6 @@
 //! - When every endpoint is past τ, spilling cannot create headroom, it only turns capacity
 //!   into cold fills: stay sticky.
 //!
-//! With the decode-bound scorer (`active-request`) a cold prompt, like a warm pick, goes
-//! first to the endpoints running the fewest requests; the costs above choose among them.
-//!
 //! Why not least-loaded spills (llm-d): each spill then lands wherever load is momentarily
 //! lowest, so a hot prefix ends up cold-filled on many endpoints, which is the cliff.
 
@@ -30,7 +27,6 @@ use super::sticky_until_saturated::gate_breaks;
 use super::{
     all, decide, rendezvous, score_pick, warm, Ask, Candidate, Decision, Params, Policy, Reason,
 };
-use crate::config::Scorer;
 
 pub struct Tokenaware {
     pub p: Params,
@@ -98,26 +94,7 @@ impl Tokenaware {
                 let c = &fleet[i];
                 c.rank.is_some_and(|r| u64::from(r) < fit(c)) && c.load.tokens as f64 <= self.p.tau
             })
-            .min_by_key(|&i| (self.running(&fleet[i]), ask.cost(&fleet[i])))
-    }
-
-    /// Running requests where the scorer ranks by them first (decode-bound), else 0.
-    fn running(&self, c: &Candidate) -> u64 {
-        match self.p.scorer {
-            Scorer::ActiveRequest => c.load.requests,
-            _ => 0,
-        }
-    }
-
-    /// Decode-bound: only the endpoints running the fewest requests take a cold prompt (the
-    /// scorer's `A(e)` first, as for warm picks); the cold-placement costs order those.
-    fn fewest_running(&self, fleet: &[Candidate], pool: Vec<usize>) -> Vec<usize> {
-        let Some(min) = pool.iter().map(|&i| self.running(&fleet[i])).min() else {
-            return pool;
-        };
-        pool.into_iter()
-            .filter(|&i| self.running(&fleet[i]) == min)
-            .collect()
+            .min_by_key(|&i| ask.cost(&fleet[i]))
     }
 
     /// What placing the prompt costs in the cache, in tokens: nothing while it fits in the
@@ -154,7 +131,7 @@ impl Tokenaware {
             return Some(i);
         }
         let head = ask.chain.first().copied().unwrap_or(0);
-        let pool = self.fewest_running(fleet, self.cold_pool(head, fleet));
+        let pool = self.cold_pool(head, fleet);
         // Recent work is real tokens: on a slower endpoint it is more time (`speed` is 1
         // unless rates are learned).
         let key = |i: usize| {
@@ -333,37 +310,6 @@ mod tests {
             ta().pick(&ask(&chain), &f, 0).unwrap().endpoint,
             first.endpoint
         );
-    }
-
-    #[test]
-    fn decode_bound_cold_placement_goes_where_fewest_requests_run() {
-        let chain: Vec<u64> = (80..90).collect();
-        // Endpoint 0 has no prefill queued but runs nine long decodes; 1 and 2 run one each
-        // with some prefill queued.
-        let mut f = fleet(&[(0, 0), (0, 20_000), (0, 30_000)]);
-        f[0].load.requests = 9;
-        f[1].load.requests = 1;
-        f[2].load.requests = 1;
-        let token_load = ta().pick(&ask(&chain), &f, 0).unwrap();
-        assert_eq!((token_load.endpoint, token_load.reason), (0, Reason::Cold));
-        let decode = Tokenaware {
-            p: Params {
-                scorer: Scorer::ActiveRequest,
-                ..params()
-            },
-        };
-        let d = decode.pick(&ask(&chain), &f, 0).unwrap();
-        // Among the two running one request, the cheaper.
-        assert_eq!((d.endpoint, d.reason), (1, Reason::Cold));
-        // A holder by the whole-prompt LRU view is ranked the same way.
-        for c in &mut f {
-            c.rank = Some(0);
-        }
-        assert_eq!(
-            token_load.endpoint,
-            ta().pick(&ask(&chain), &f, 0).unwrap().endpoint
-        );
-        assert_eq!(decode.pick(&ask(&chain), &f, 0).unwrap().endpoint, 1);
     }
 
     #[test]
