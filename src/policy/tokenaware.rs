@@ -133,11 +133,14 @@ impl Tokenaware {
         let head = ask.chain.first().copied().unwrap_or(0);
         let pool = self.cold_pool(head, fleet);
         // Recent work is real tokens: on a slower endpoint it is more time (`speed` is 1
-        // unless rates are learned).
+        // unless rates are learned). The prompt's own prefill is counted in tokens, not
+        // time: every endpoint's cache is the same size, and sending every cold prompt to
+        // the fast ones filled their caches and evicted warm prefixes there (through
+        // Envoy, with half the fleet at half speed, 40-50 % more cold placements).
         let key = |i: usize| {
             let c = &fleet[i];
             let work = (c.work_per_s as f64 * WORK_HORIZON_S as f64 / c.speed()) as u64;
-            ask.cost(c) + work + Self::eviction(ask, c)
+            c.load.tokens.saturating_add(ask.uncached(c)) + work + Self::eviction(ask, c)
         };
         let min = pool.iter().map(|&i| key(i)).min().unwrap_or(0);
         let mut slack = (ask.tokens as f64 * COLD_BAND) as u64;
@@ -310,6 +313,24 @@ mod tests {
             ta().pick(&ask(&chain), &f, 0).unwrap().endpoint,
             first.endpoint
         );
+    }
+
+    #[test]
+    fn a_cold_prompt_does_not_evict_on_a_fast_endpoint_to_save_its_own_prefill() {
+        let chain: Vec<u64> = (80..90).collect();
+        // Both idle. Endpoint 0 is learned 2x fast, its cache full with a prefix used a
+        // second ago; endpoint 1 is at half speed with room.
+        let mut f = fleet(&[(0, 0), (0, 0)]);
+        f[0].speed = 2.0;
+        f[0].held = f[0].capacity;
+        f[0].victim_idle_s = Some(1);
+        f[1].speed = 0.5;
+        let d = ta().pick(&ask(&chain), &f, 0).unwrap();
+        assert_eq!((d.endpoint, d.reason), (1, Reason::Cold));
+        // With room on both, queue decides: the slow one's queued tokens are more time.
+        f[0].held = 0;
+        f[1].load.tokens = 8_000;
+        assert_eq!(ta().pick(&ask(&chain), &f, 0).unwrap().endpoint, 0);
     }
 
     #[test]
