@@ -4,7 +4,8 @@
 //! capacity).
 //!
 //! - τ is bounded by the prompt's own prefill: at least `TAU_MIN_PROMPTS` and at most
-//!   `TAU_MAX_PROMPTS` prompts' worth of tokens. A spill costs a cold fill here and the
+//!   `TAU_MAX_PROMPTS` prompts' worth of tokens (at the slowest warm endpoint's learned
+//!   speed, when rates are learned). A spill costs a cold fill here and the
 //!   refill of whatever it evicts, so it never pays for a queue of a prompt or two; a queue of
 //!   many prompts costs more than building a second replica does.
 //! - Spills of one prefix go to a stable secondary: the rendezvous winner, keyed by the
@@ -52,9 +53,16 @@ const EVICT_HORIZON_S: f64 = 10.0;
 const EVICT_WEIGHT: f64 = 0.5;
 
 impl Tokenaware {
-    /// This request's τ: the configured one within the prompt bounds.
-    fn tau(&self, ask: &Ask) -> f64 {
-        let t = ask.tokens.max(1) as f64;
+    /// This request's τ: the configured one within the prompt bounds. The bounds count the
+    /// prompt's prefill on the slowest warm endpoint: with learned rates, load is in
+    /// reference tokens, and a prompt there costs `1 / speed` of them per token.
+    fn tau(&self, ask: &Ask, fleet: &[Candidate]) -> f64 {
+        let slowest = warm(ask, fleet, self.p.affinity_threshold)
+            .into_iter()
+            .map(|i| fleet[i].speed())
+            .fold(f64::INFINITY, f64::min);
+        let slowest = if slowest.is_finite() { slowest } else { 1.0 };
+        let t = ask.tokens.max(1) as f64 / slowest;
         self.p.tau.clamp(TAU_MIN_PROMPTS * t, TAU_MAX_PROMPTS * t)
     }
 
@@ -224,7 +232,7 @@ impl Policy for Tokenaware {
 
     fn pick(&self, ask: &Ask, fleet: &[Candidate], seq: u64) -> Option<Decision> {
         let p = Params {
-            tau: self.tau(ask),
+            tau: self.tau(ask, fleet),
             ..self.p
         };
         Tokenaware { p }.pick_at_tau(ask, fleet, seq)
@@ -400,6 +408,26 @@ mod tests {
         assert_eq!((d.reason, d.tau_broken), (Reason::Spill, true));
         let d = with_tau(100_000.0).pick(&ask(&chain), &fleet(&[(10, 70_000)]), 0);
         assert_eq!(d.unwrap().reason, Reason::Sticky);
+    }
+
+    #[test]
+    fn tau_bounds_count_the_prompt_at_the_warm_endpoints_speed() {
+        // A 10,000-token prompt warm on endpoint 1, whose queue is 60,000 reference tokens.
+        let chain = [3u64; 10];
+        let low_tau = Tokenaware {
+            p: Params {
+                tau: 5_000.0,
+                ..params()
+            },
+        };
+        let mut f = fleet(&[(0, 0), (10, 60_000), (0, 0)]);
+        // At reference speed that is six prompts: past the lower bound of four, so it spills.
+        let d = low_tau.pick(&ask(&chain), &f, 0).unwrap();
+        assert_eq!(d.reason, Reason::Spill);
+        // Learned at half speed, the prompt costs 20,000 there: three prompts, under four.
+        f[1].speed = 0.5;
+        let d = low_tau.pick(&ask(&chain), &f, 0).unwrap();
+        assert_eq!((d.endpoint, d.reason), (1, Reason::Sticky));
     }
 
     #[test]
