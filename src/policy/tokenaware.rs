@@ -5,9 +5,9 @@
 //!
 //! - τ is bounded by the prompt's own prefill: at least `TAU_MIN_PROMPTS` and at most
 //!   `TAU_MAX_PROMPTS` prompts' worth of tokens (at the slowest warm endpoint's learned
-//!   speed, when rates are learned). A spill costs a cold fill here and the
-//!   refill of whatever it evicts, so it never pays for a queue of a prompt or two; a queue of
-//!   many prompts costs more than building a second replica does.
+//!   speed, when rates are learned). A spill costs a cold fill here and the refill of
+//!   whatever it evicts, so it never pays for a queue of a prompt or two; a queue of many
+//!   prompts costs more than building a second replica does.
 //! - Spills of one prefix go to a stable secondary: the rendezvous winner, keyed by the
 //!   deepest block the warm endpoint holds, among the endpoints whose cost is within a twentieth
 //!   of τ of the cheapest. Repeated spills build a second warm replica instead of cold-filling a
