@@ -56,10 +56,10 @@ impl Tokenaware {
     /// This request's τ: the configured one within the prompt bounds. The bounds count the
     /// prompt's prefill on the slowest warm endpoint: with learned rates, load is in
     /// reference tokens, and a prompt there costs `1 / speed` of them per token.
-    fn tau(&self, ask: &Ask, fleet: &[Candidate]) -> f64 {
-        let slowest = warm(ask, fleet, self.p.affinity_threshold)
-            .into_iter()
-            .map(|i| fleet[i].speed())
+    fn tau(&self, ask: &Ask, fleet: &[Candidate], w: &[usize]) -> f64 {
+        let slowest = w
+            .iter()
+            .map(|&i| fleet[i].speed())
             .fold(f64::INFINITY, f64::min);
         let slowest = if slowest.is_finite() { slowest } else { 1.0 };
         let t = ask.tokens.max(1) as f64 / slowest;
@@ -196,11 +196,16 @@ impl Tokenaware {
         fleet.iter().all(|c| c.load.tokens as f64 > self.p.tau)
     }
 
-    fn pick_at_tau(&self, ask: &Ask, fleet: &[Candidate], seq: u64) -> Option<Decision> {
+    fn pick_at_tau(
+        &self,
+        ask: &Ask,
+        fleet: &[Candidate],
+        w: Vec<usize>,
+        seq: u64,
+    ) -> Option<Decision> {
         if fleet.is_empty() {
             return None;
         }
-        let w = warm(ask, fleet, self.p.affinity_threshold);
         if w.is_empty() {
             let pick = self.cold(ask, fleet)?;
             return Some(decide(ask, fleet, pick, Reason::Cold, false, &self.p));
@@ -231,11 +236,12 @@ impl Policy for Tokenaware {
     }
 
     fn pick(&self, ask: &Ask, fleet: &[Candidate], seq: u64) -> Option<Decision> {
+        let w = warm(ask, fleet, self.p.affinity_threshold);
         let p = Params {
-            tau: self.tau(ask, fleet),
+            tau: self.tau(ask, fleet, &w),
             ..self.p
         };
-        Tokenaware { p }.pick_at_tau(ask, fleet, seq)
+        Tokenaware { p }.pick_at_tau(ask, fleet, w, seq)
     }
 }
 
