@@ -98,6 +98,26 @@ struct Args {
     /// Half the fleet (the first half) prefills at half --prefill-rate.
     #[arg(long)]
     slow_half: bool,
+    /// Mixed workload: requests alternate in phases of `--mix-phase` between 80 % the prefix
+    /// groups and 80 % reasoning requests (a short prompt, nothing shared worth a block, a
+    /// long output), and every request holds KV from the start of its prefill to the end of
+    /// its decode: a request waits in the queue until the endpoint's pool has room for it,
+    /// and the prefix cache keeps only what the running requests leave (as in vLLM).
+    #[arg(long)]
+    mixed: bool,
+    /// Requests per phase of `--mixed`.
+    #[arg(long, default_value_t = 32)]
+    mix_phase: usize,
+    /// Output tokens of a prefix-group request (decoded only with `--mixed`).
+    #[arg(long, default_value_t = 200)]
+    output_tokens: u64,
+    #[arg(long, default_value_t = 1_000)]
+    reasoning_prompt_tokens: u64,
+    #[arg(long, default_value_t = 8_000)]
+    reasoning_output_tokens: u64,
+    /// Seconds per output token of a decoding request, ms.
+    #[arg(long, default_value_t = 5.0)]
+    tpot_ms: f64,
     /// Scorer (token-load, active-request, latency); default: latency with
     /// `--ttft-source latency`, else token-load.
     #[arg(long, value_parser = ["token-load", "active-request", "latency"])]
@@ -134,6 +154,8 @@ struct Run {
 #[derive(Debug, Clone, Default)]
 struct Outcomes {
     ttft: Vec<f64>,
+    /// TTFTs of the reasoning requests alone (`--mixed`).
+    reasoning_ttft: Vec<f64>,
     hits: u64,
     last_done: f64,
     reasons: [u64; Reason::ALL.len()],
@@ -142,21 +164,37 @@ struct Outcomes {
     rate_err_end: Vec<f64>,
 }
 
-/// One endpoint's truth: a FIFO of waiting requests and an LRU of whole prefixes.
+/// One endpoint's truth: a FIFO of waiting requests and an LRU of whole prefixes; with
+/// `--mixed` also the KV its running requests hold.
 #[derive(Default)]
 struct Server {
     queue: VecDeque<usize>,
     busy: bool,
     cache: VecDeque<usize>,
+    /// KV tokens held by running requests (their own tokens and outputs), and how many run.
+    held: u64,
+    running: usize,
+    /// It has served a reasoning request: their shared system prompt is cached there (it is
+    /// small and hot, so it is never the LRU victim).
+    reasoning_warm: bool,
+}
+
+/// What a request asks for: a prompt on one of the shared prefixes, or a reasoning prompt.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Kind {
+    Group(usize),
+    Reasoning,
 }
 
 struct Request {
     arrival: f64,
-    group: usize,
+    kind: Kind,
     routed: Option<Routed>,
     endpoint: usize,
     /// Its prefix was in the endpoint's cache when its prefill started.
     hit: bool,
+    /// A reasoning request's tokens of the shared system prompt found cached.
+    shared_cached: u64,
 }
 
 /// Events ordered by time (then sequence, for determinism).
@@ -164,12 +202,16 @@ struct Request {
 enum Event {
     Arrival(usize),
     PrefillDone(usize),
+    DecodeDone(usize),
 }
 
 struct Workload {
-    arrivals: Vec<(f64, usize)>,
+    arrivals: Vec<(f64, Kind)>,
     groups: Vec<BlockHasher>,
     question_bytes: usize,
+    /// Reasoning prompts: a 250-token system prompt they all share, then their own bytes.
+    reasoning: BlockHasher,
+    reasoning_bytes: usize,
 }
 
 fn zipf_cdf(n: usize, s: f64) -> Vec<f64> {
@@ -197,7 +239,19 @@ fn workload(a: &Args, cfg: &Config, rate: f64, seed: u64) -> Workload {
         }
         let u: f64 = rng.gen();
         let g = cdf.partition_point(|&c| c < u).min(a.groups - 1);
-        arrivals.push((t, g));
+        // Drawn only with --mixed: the other runs keep their arrival sequence.
+        let reasoning = a.mixed && {
+            let major = (arrivals.len() / a.mix_phase.max(1)) % 2 == 1;
+            rng.gen::<f64>() < if major { 0.8 } else { 0.2 }
+        };
+        arrivals.push((
+            t,
+            if reasoning {
+                Kind::Reasoning
+            } else {
+                Kind::Group(g)
+            },
+        ));
     }
     let seed = chain_seed("sim-model", None);
     let prefix_bytes = (a.prefix_tokens as f64 * cfg.bytes_per_token) as usize;
@@ -210,10 +264,36 @@ fn workload(a: &Args, cfg: &Config, rate: f64, seed: u64) -> Workload {
             h
         })
         .collect();
+    let shared = 250.min(a.reasoning_prompt_tokens);
+    let mut reasoning = BlockHasher::new(seed, cfg.block_bytes(), cfg.max_prefix_blocks as usize);
+    let mut system = vec![0u8; (shared as f64 * cfg.bytes_per_token) as usize];
+    SmallRng::seed_from_u64(0xBEEF).fill_bytes(&mut system);
+    reasoning.feed(&system);
     Workload {
         arrivals,
         groups,
         question_bytes: (a.question_tokens as f64 * cfg.bytes_per_token) as usize,
+        reasoning,
+        reasoning_bytes: ((a.reasoning_prompt_tokens - shared) as f64 * cfg.bytes_per_token)
+            as usize,
+    }
+}
+
+/// Prompt tokens, tokens the request holds in KV besides a shared prefix (with --mixed), and
+/// output tokens.
+fn shape(a: &Args, kind: Kind) -> (u64, u64, u64) {
+    match (kind, a.mixed) {
+        (Kind::Group(_), false) => (a.prefix_tokens + a.question_tokens, 0, 0),
+        (Kind::Group(_), true) => (
+            a.prefix_tokens + a.question_tokens,
+            a.question_tokens + a.output_tokens,
+            a.output_tokens,
+        ),
+        (Kind::Reasoning, _) => (
+            a.reasoning_prompt_tokens,
+            a.reasoning_prompt_tokens + a.reasoning_output_tokens,
+            a.reasoning_output_tokens,
+        ),
     }
 }
 
@@ -277,20 +357,21 @@ fn config(a: &Args, r: Run) -> Config {
 fn simulate(a: &Args, r: Run) -> Outcomes {
     let cfg = config(a, r);
     let w = workload(a, &cfg, r.rate, r.seed);
-    let table = EndpointTable::from_config(&cfg);
+    let mut table = EndpointTable::from_config(&cfg);
     let store = MemStore::new();
     let mut router = Router::new(cfg);
     let _ = router.sync_capacities(&store, &table.endpoints);
     let mut servers: Vec<Server> = (0..a.endpoints).map(|_| Server::default()).collect();
     let mut reqs: Vec<Request> = Vec::with_capacity(w.arrivals.len());
     let mut events = BinaryHeap::new();
-    for (i, &(t, g)) in w.arrivals.iter().enumerate() {
+    for (i, &(t, kind)) in w.arrivals.iter().enumerate() {
         reqs.push(Request {
             arrival: t,
-            group: g,
+            kind,
             routed: None,
             endpoint: 0,
             hit: false,
+            shared_cached: 0,
         });
         events.push(Reverse((Time(t), Event::Arrival(i))));
     }
@@ -300,15 +381,30 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
     };
     let mut qrng = SmallRng::seed_from_u64(r.seed.wrapping_mul(31));
     let mut question = vec![0u8; w.question_bytes];
-    let tokens = a.prefix_tokens + a.question_tokens;
+    let mut own = vec![0u8; w.reasoning_bytes];
     while let Some(Reverse((Time(now), ev))) = events.pop() {
         let now_ms = (now * 1000.0) as u64;
         match ev {
             Event::Arrival(i) => {
-                qrng.fill_bytes(&mut question);
-                let mut h = w.groups[reqs[i].group].clone();
-                h.feed(&question);
+                let (tokens, _, _) = shape(a, reqs[i].kind);
+                let h = match reqs[i].kind {
+                    Kind::Group(g) => {
+                        qrng.fill_bytes(&mut question);
+                        let mut h = w.groups[g].clone();
+                        h.feed(&question);
+                        h
+                    }
+                    Kind::Reasoning => {
+                        qrng.fill_bytes(&mut own);
+                        let mut h = w.reasoning.clone();
+                        h.feed(&own);
+                        h
+                    }
+                };
                 let chain = h.finish();
+                if a.mixed {
+                    scrape(&mut table, &servers, kv_tokens(a), now_ms);
+                }
                 let Ok(routed) = router.route(&store, &table.endpoints, &chain, tokens, now_ms)
                 else {
                     continue;
@@ -331,13 +427,20 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
             }
             Event::PrefillDone(i) => {
                 out.ttft.push(now - reqs[i].arrival);
+                if reqs[i].kind == Kind::Reasoning {
+                    out.reasoning_ttft.push(now - reqs[i].arrival);
+                }
                 out.last_done = now;
                 let e = reqs[i].endpoint;
-                if let Some(mut r) = reqs[i].routed.take() {
-                    let _ = router.first_byte(&store, &mut r, now_ms);
-                    let cached = if reqs[i].hit { a.prefix_tokens } else { 0 };
-                    let _ = router.observe_usage(&store, &mut r, "", 0, tokens, Some(cached));
-                    let _ = router.finish(&store, &mut r, Outcome::Done);
+                let (tokens, _, output) = shape(a, reqs[i].kind);
+                let cached = match reqs[i].kind {
+                    Kind::Group(_) if reqs[i].hit => a.prefix_tokens,
+                    Kind::Group(_) => 0,
+                    Kind::Reasoning => reqs[i].shared_cached,
+                };
+                if let Some(r) = reqs[i].routed.as_mut() {
+                    let _ = router.first_byte(&store, r, now_ms);
+                    let _ = router.observe_usage(&store, r, "", 0, tokens, Some(cached));
                     let slot = table.endpoints[e].slot;
                     if let Ok(est) = router.estimator.read(&store, slot) {
                         if est.total == 200 {
@@ -345,8 +448,23 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
                         }
                     }
                 }
+                // The answer streams for its output; the request stays active (and holds
+                // its KV) until the last token.
+                let done = now + output as f64 * a.tpot_ms / 1000.0;
+                events.push(Reverse((Time(done), Event::DecodeDone(i))));
                 servers[e].busy = false;
                 start_next(a, &mut servers[e], &mut reqs, &mut events, &mut out, now);
+            }
+            Event::DecodeDone(i) => {
+                let e = reqs[i].endpoint;
+                if let Some(mut r) = reqs[i].routed.take() {
+                    let _ = router.finish(&store, &mut r, Outcome::Done);
+                }
+                let (_, held, _) = shape(a, reqs[i].kind);
+                let s = &mut servers[e];
+                s.held = s.held.saturating_sub(held);
+                s.running = s.running.saturating_sub(1);
+                start_next(a, s, &mut reqs, &mut events, &mut out, now);
             }
         }
     }
@@ -362,12 +480,23 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
     out
 }
 
+/// What the router would read from the servers' metrics at `now_ms`: the share of each
+/// pool the running requests hold (vLLM's `kv_cache_usage_perc`).
+fn scrape(table: &mut EndpointTable, servers: &[Server], pool: u64, now_ms: u64) {
+    for (e, s) in table.endpoints.iter_mut().zip(servers) {
+        e.kv_usage = Some(s.held as f64 / pool.max(1) as f64);
+        e.scraped_at_ms = now_ms.max(1);
+    }
+}
+
 fn rate_error(a: &Args, e: usize, estimate: f64) -> f64 {
     let truth = a.endpoint_rate(e);
     (estimate - truth).abs() / truth
 }
 
 /// Starts the next queued prefill: the cache is consulted (and updated) when prefill starts.
+/// With `--mixed` the head of the queue starts only when the pool has room for what it holds
+/// (its prefix included) next to the running requests, unless it would run alone.
 fn start_next(
     a: &Args,
     s: &mut Server,
@@ -379,20 +508,50 @@ fn start_next(
     if s.busy {
         return;
     }
-    let Some(i) = s.queue.pop_front() else { return };
-    let g = reqs[i].group;
-    let hit = if let Some(pos) = s.cache.iter().position(|&x| x == g) {
-        s.cache.remove(pos);
-        true
-    } else {
-        false
+    let Some(&i) = s.queue.front() else { return };
+    let (_, held, _) = shape(a, reqs[i].kind);
+    let pool = kv_tokens(a);
+    let prefix = match reqs[i].kind {
+        Kind::Group(_) => a.prefix_tokens,
+        Kind::Reasoning => 0,
     };
-    s.cache.push_front(g);
-    let kv = (kv_tokens(a) / a.prefix_tokens.max(1)).max(1) as usize;
-    s.cache.truncate(kv);
-    out.hits += u64::from(hit);
+    if a.mixed && s.running > 0 && s.held + held + prefix > pool {
+        return;
+    }
+    s.queue.pop_front();
+    s.held += held;
+    s.running += 1;
+    // The prefix cache keeps whole prefixes in what the running requests leave.
+    let kv = (pool.saturating_sub(s.held) / a.prefix_tokens.max(1)) as usize;
+    let (hit, work) = match reqs[i].kind {
+        Kind::Group(g) => {
+            let hit = if let Some(pos) = s.cache.iter().position(|&x| x == g) {
+                s.cache.remove(pos);
+                true
+            } else {
+                false
+            };
+            s.cache.push_front(g);
+            s.cache.truncate(kv.max(1));
+            let work = a.question_tokens + if hit { 0 } else { a.prefix_tokens };
+            out.hits += u64::from(hit);
+            (hit, work)
+        }
+        Kind::Reasoning => {
+            s.cache.truncate(kv);
+            // The shared system prompt's full blocks, once it has been there.
+            let shared = 250.min(a.reasoning_prompt_tokens);
+            let block = u64::from(Config::default().block_size_tokens).max(1);
+            reqs[i].shared_cached = if s.reasoning_warm {
+                shared / block * block
+            } else {
+                0
+            };
+            s.reasoning_warm = true;
+            (false, a.reasoning_prompt_tokens - reqs[i].shared_cached)
+        }
+    };
     reqs[i].hit = hit;
-    let work = a.question_tokens + if hit { 0 } else { a.prefix_tokens };
     s.busy = true;
     events.push(Reverse((
         Time(now + work as f64 / a.endpoint_rate(reqs[i].endpoint)),
@@ -518,6 +677,8 @@ struct Summary {
     p50: f64,
     p90: f64,
     p99: f64,
+    /// p90 TTFT of the reasoning requests (`--mixed`; NaN without).
+    reasoning_p90: f64,
     completed: f64,
     rps: f64,
     reasons: [f64; Reason::ALL.len()],
@@ -529,16 +690,20 @@ struct Summary {
 
 fn summarize(mut o: Outcomes) -> Summary {
     o.ttft.sort_by(f64::total_cmp);
+    o.reasoning_ttft.sort_by(f64::total_cmp);
     let n = o.ttft.len();
+    // The hit rate is over the requests that have a prefix to hit.
+    let groups = n - o.reasoning_ttft.len();
     let mut reasons = [0.0; Reason::ALL.len()];
     for (r, c) in reasons.iter_mut().zip(o.reasons) {
         *r = c as f64;
     }
     Summary {
-        hit: o.hits as f64 / n.max(1) as f64,
+        hit: o.hits as f64 / groups.max(1) as f64,
         p50: quantile(&o.ttft, 0.5),
         p90: quantile(&o.ttft, 0.9),
         p99: quantile(&o.ttft, 0.99),
+        reasoning_p90: quantile(&o.reasoning_ttft, 0.9),
         completed: n as f64,
         rps: n as f64 / o.last_done.max(f64::MIN_POSITIVE),
         reasons,
@@ -567,6 +732,7 @@ fn mean(s: &[Summary]) -> Summary {
         p50: avg(|x| x.p50),
         p90: avg(|x| x.p90),
         p99: avg(|x| x.p99),
+        reasoning_p90: avg(|x| x.reasoning_p90),
         completed: avg(|x| x.completed),
         rps: avg(|x| x.rps),
         reasons,
@@ -584,8 +750,9 @@ fn report(a: &Args, run: &Run, o: &Summary) {
     let (hit, p50, p90, p99, n, rps) = (o.hit, o.p50, o.p90, o.p99, o.completed, o.rps);
     if a.json {
         println!(
-            "{{\"policy\":\"{name}\",\"gate\":\"{gate}\",\"rate\":{},\"tau\":{},\"seeds\":{},\"hit_rate\":{hit:.4},\"ttft_p50_s\":{p50:.3},\"ttft_p90_s\":{p90:.3},\"ttft_p99_s\":{p99:.3},\"completed\":{n:.0},\"throughput_rps\":{rps:.3},\"rate_err_at_200\":{},\"rate_err_end\":{}}}",
-            run.rate, run.tau, a.seeds.max(1), json_num(o.rate_err_200), json_num(o.rate_err_end)
+            "{{\"policy\":\"{name}\",\"gate\":\"{gate}\",\"rate\":{},\"tau\":{},\"seeds\":{},\"hit_rate\":{hit:.4},\"ttft_p50_s\":{p50:.3},\"ttft_p90_s\":{p90:.3},\"ttft_p99_s\":{p99:.3},\"completed\":{n:.0},\"throughput_rps\":{rps:.3},\"rate_err_at_200\":{},\"rate_err_end\":{},\"reasoning_ttft_p90_s\":{}}}",
+            run.rate, run.tau, a.seeds.max(1), json_num(o.rate_err_200), json_num(o.rate_err_end),
+            json_num(o.reasoning_p90)
         );
         return;
     }
@@ -600,6 +767,11 @@ fn report(a: &Args, run: &Run, o: &Summary) {
     } else {
         format!("{name}/{gate}")
     };
+    let reasoning = if a.mixed {
+        format!("  reasoning p90 {:.3}", o.reasoning_p90)
+    } else {
+        String::new()
+    };
     let learned = if a.learn == "on" || a.ttft_source == "latency" {
         format!(
             "  R̂ err@200 {:.1}% end {:.1}%",
@@ -610,7 +782,7 @@ fn report(a: &Args, run: &Run, o: &Summary) {
         String::new()
     };
     println!(
-        "{label:<32} {:>6} {:>9} {:>6.1}% {p50:>9.3} {p90:>9.3} {p99:>9.3} {n:>9.0} {rps:>8.2}  {}{learned}",
+        "{label:<32} {:>6} {:>9} {:>6.1}% {p50:>9.3} {p90:>9.3} {p99:>9.3} {n:>9.0} {rps:>8.2}  {}{reasoning}{learned}",
         run.rate,
         run.tau,
         hit * 100.0,

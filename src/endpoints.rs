@@ -16,11 +16,14 @@ pub struct Endpoint {
     pub healthy: bool,
     /// KV capacity in index blocks.
     pub capacity_blocks: u64,
-    /// Last scrape (waiting, running) and when it was taken.
+    /// Last scrape (waiting, running, the share of the KV pool running requests hold) and
+    /// when it was taken.
     #[serde(default)]
     pub waiting: Option<f64>,
     #[serde(default)]
     pub running: Option<f64>,
+    #[serde(default)]
+    pub kv_usage: Option<f64>,
     #[serde(default)]
     pub scraped_at_ms: u64,
 }
@@ -39,6 +42,7 @@ impl Endpoint {
         Some(Scraped {
             waiting: self.waiting.unwrap_or(0.0),
             running: self.running.unwrap_or(0.0),
+            kv_usage: self.kv_usage.unwrap_or(0.0),
         })
     }
 }
@@ -69,6 +73,7 @@ impl EndpointTable {
                 capacity_blocks: cfg
                     .capacity_blocks(e.kv_capacity_tokens.unwrap_or(cfg.kv_capacity_tokens)),
                 waiting: None,
+                kv_usage: None,
                 running: None,
                 scraped_at_ms: 0,
             })
@@ -118,6 +123,7 @@ impl EndpointTable {
                 healthy: *healthy,
                 capacity_blocks,
                 waiting: None,
+                kv_usage: None,
                 running: None,
                 scraped_at_ms: 0,
             });

@@ -289,6 +289,8 @@ impl Bucket {
 pub struct Scraped {
     pub waiting: f64,
     pub running: f64,
+    /// Share of the KV pool the running requests hold (0 when not reported).
+    pub kv_usage: f64,
 }
 
 /// Blends this gateway's load with what the model server reports, to see load other gateway
@@ -377,6 +379,7 @@ mod tests {
             Some(Scraped {
                 waiting: 5.0,
                 running: 6.0,
+                kv_usage: 0.5,
             }),
             700,
         );
@@ -388,6 +391,7 @@ mod tests {
             Some(Scraped {
                 waiting: 2.0,
                 running: f64::NAN,
+                kv_usage: 0.0,
             }),
             700,
         );

@@ -52,7 +52,8 @@ pub struct Routed {
     /// Capacity of the picked endpoint in blocks before the cache correction.
     pub capacity_blocks: u64,
     /// LRU stack distance there of the prefix the index predicted cached, in blocks (none
-    /// when it was sent there within T_max: it may still have been prefilling).
+    /// when it was sent there within T_max: it may still have been prefilling), over the
+    /// share of the KV pool running requests left free at dispatch (see [`free_distance`]).
     pub distance_blocks: Option<u64>,
     /// Its first byte is its first token (a streamed answer): a TTFT sample. A
     /// non-streamed answer's first byte comes after the whole generation.
@@ -87,6 +88,24 @@ pub enum Outcome {
 
 /// An endpoint's load at dispatch (real tokens) and the stack distance of its match.
 type Seen = (Load, Option<u64>);
+
+/// Most of the pool running requests are taken to hold when scaling a miss's distance.
+const KV_USAGE_MAX: f64 = 0.9;
+
+/// A prefix's LRU stack distance as the cache correction weighs a miss: the blocks stamped
+/// since its use, over the share of the KV pool the running requests left to the prefix
+/// cache (vLLM's `kv_cache_usage_perc` counts the blocks they hold). A miss at distance `d`
+/// while they hold a share `u` says the cache keeps fewer than `d / (1 - u)` blocks, not
+/// fewer than `d`: a batch of long decodes shrinks the room for prefixes for a while, and
+/// that is not a smaller cache.
+pub fn free_distance(blocks: u64, kv_usage: f64) -> u64 {
+    let used = if kv_usage.is_finite() {
+        kv_usage.clamp(0.0, KV_USAGE_MAX)
+    } else {
+        0.0
+    };
+    (blocks as f64 / (1.0 - used)) as u64
+}
 
 pub struct Router {
     pub cfg: Config,
@@ -302,7 +321,8 @@ impl Router {
             .map(|e| {
                 let m = self.index.matched(s, e.slot, &chain.hashes)?;
                 let (local, work_per_s) = self.ledger.read(s, e.slot, now_ms)?;
-                let raw = blend(local, e.scraped(now_ms, stale), tokens);
+                let scraped = e.scraped(now_ms, stale);
+                let raw = blend(local, scraped, tokens);
                 let est = match self.cfg.learns() {
                     true => Some(self.estimator.read(s, e.slot)?),
                     false => None,
@@ -325,7 +345,12 @@ impl Router {
                 let settled = m
                     .written_s
                     .is_some_and(|w| now_s.saturating_sub(w) >= settled_s);
-                Ok(((c, est), (raw, m.distance.filter(|_| settled))))
+                let kv_usage = scraped.map_or(0.0, |m| m.kv_usage);
+                let distance = m
+                    .distance
+                    .filter(|_| settled)
+                    .map(|d| free_distance(d, kv_usage));
+                Ok(((c, est), (raw, distance)))
             })
             .collect::<Result<Vec<_>, StoreError>>()
             .map(|v| {
@@ -623,6 +648,57 @@ mod tests {
             .unwrap();
         assert!(capacity(&r) < before);
         r.finish(&s, &mut third, Outcome::Done).unwrap();
+    }
+
+    #[test]
+    fn a_miss_while_running_requests_hold_the_pool_moves_the_share_less() {
+        // The same miss, once with no scrape and once with running requests holding three
+        // quarters of the endpoint's pool: the second says the cache keeps fewer than four
+        // times the distance, and the capacity the index assumes drops less.
+        let capacity_after_miss = |kv_usage: Option<f64>| {
+            let (mut r, mut t, s) = router(r#","peakPrefillThroughput":"auto""#);
+            t.endpoints.truncate(1);
+            let chain = r.hash(&chat(&"x".repeat(40_000), "q"));
+            let mut first = r.route(&s, &t.endpoints, &chain, 10_000, 0).unwrap();
+            r.finish(&s, &mut first, Outcome::Done).unwrap();
+            for i in 0..4u64 {
+                let other = r.hash(&chat(&i.to_string().repeat(20_000), "q"));
+                let mut o = r.route(&s, &t.endpoints, &other, 5_000, 1_000 + i).unwrap();
+                r.finish(&s, &mut o, Outcome::Done).unwrap();
+            }
+            t.endpoints[0].kv_usage = kv_usage;
+            t.endpoints[0].scraped_at_ms = 30_000;
+            let mut again = r.route(&s, &t.endpoints, &chain, 10_000, 30_000).unwrap();
+            assert!(again.distance_blocks.is_some_and(|d| d > 0));
+            let check = r
+                .observe_usage(&s, &mut again, "m", 40_000, 10_000, Some(0))
+                .unwrap();
+            assert_eq!(check, CacheCheck::Missed);
+            r.index.matched(&s, 0, &[]).unwrap().capacity
+        };
+        let configured = {
+            let (r, t, s) = router("");
+            r.index
+                .matched(&s, t.endpoints[0].slot, &[])
+                .unwrap()
+                .capacity
+        };
+        let (free, held) = (capacity_after_miss(None), capacity_after_miss(Some(0.75)));
+        assert!(free < configured, "{free} < {configured}");
+        assert!(
+            free < held && held < configured,
+            "{free} < {held} < {configured}"
+        );
+    }
+
+    #[test]
+    fn free_distance_counts_the_share_running_requests_leave() {
+        assert_eq!(free_distance(100, 0.0), 100);
+        assert_eq!(free_distance(100, 0.5), 200);
+        // At most a tenth of the pool counts as left; garbage counts as nothing held.
+        assert_eq!(free_distance(100, 1.0), free_distance(100, 0.9));
+        assert_eq!(free_distance(100, f64::NAN), 100);
+        assert_eq!(free_distance(100, -3.0), 100);
     }
 
     #[test]

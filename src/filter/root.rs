@@ -394,6 +394,7 @@ impl Root {
             let e = t.get_mut(address)?;
             e.waiting = m.waiting;
             e.running = m.running;
+            e.kv_usage = m.kv_usage;
             e.scraped_at_ms = now;
             e.healthy = healthy;
             let changed = capacity.filter(|c| *c != e.capacity_blocks);

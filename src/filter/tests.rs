@@ -484,7 +484,7 @@ fn one_poller_per_process_and_polls_reach_each_endpoint() {
     // Answers: each endpoint reports its own queue; the other VM sees the table.
     for (c, waiting) in calls.iter().zip([3, 5, 7]) {
         let text = format!(
-            "vllm:num_requests_waiting{{model_name=\"m\"}} {waiting}\nvllm:num_requests_running 1\nvllm:cache_config_info{{block_size=\"16\",num_gpu_blocks=\"4096\"}} 1\n"
+            "vllm:num_requests_waiting{{model_name=\"m\"}} {waiting}\nvllm:num_requests_running 1\nvllm:kv_cache_usage_perc 0.{waiting}\nvllm:cache_config_info{{block_size=\"16\",num_gpu_blocks=\"4096\"}} 1\n"
         );
         h.set_call_answer(Some(200), text.as_bytes());
         a.on_call_response(&h, c.token, 3, text.len());
@@ -492,6 +492,8 @@ fn one_poller_per_process_and_polls_reach_each_endpoint() {
     let t = b.vm().table(&h);
     let waiting: Vec<Option<f64>> = t.endpoints.iter().map(|e| e.waiting).collect();
     assert_eq!(waiting, vec![Some(3.0), Some(5.0), Some(7.0)]);
+    let kv: Vec<Option<f64>> = t.endpoints.iter().map(|e| e.kv_usage).collect();
+    assert_eq!(kv, vec![Some(0.3), Some(0.5), Some(0.7)]);
     assert!(t
         .endpoints
         .iter()
