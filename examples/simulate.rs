@@ -10,6 +10,12 @@
 //!     cargo run --release --example simulate -- --tau-sweep 25000:1000000:25000 --rate 60
 //!     cargo run --release --example simulate -- --policy tokenaware --router-prefill-rate 81920 --learn on
 //!
+//! `--mixed` adds decode and a KV pool the running requests hold: prefix-group requests and
+//! reasoning requests (short prompt, long output) alternate in phases, a request waits for
+//! room in the pool, and the prefix cache keeps what the running requests leave.
+//!
+//!     cargo run --release --example simulate -- --policy tokenaware --rate 4,5,6,7,8 --mixed --seeds 3
+//!
 //! With `--router-prefill-rate`, `--learn on` or `--ttft-source latency` the router is
 //! configured as an operator would: R_peak (what it is told, or `"auto"` starting there) and
 //! T_max = τ / the fleet's R_peak (14 s by default), instead of τ directly.
