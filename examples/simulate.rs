@@ -105,8 +105,8 @@ struct Args {
     #[arg(long)]
     slow_half: bool,
     /// Mixed workload: requests alternate in phases of `--mix-phase` between 80 % the prefix
-    /// groups and 80 % reasoning requests (a short prompt, nothing shared worth a block, a
-    /// long output), and every request holds KV from the start of its prefill to the end of
+    /// groups and 80 % reasoning requests (a short prompt whose first 250 tokens they all
+    /// share, and a long output), and every request holds KV from the start of its prefill to the end of
     /// its decode: a request waits in the queue until the endpoint's pool has room for it,
     /// and the prefix cache keeps only what the running requests leave (as in vLLM).
     #[arg(long)]
@@ -121,7 +121,7 @@ struct Args {
     reasoning_prompt_tokens: u64,
     #[arg(long, default_value_t = 8_000)]
     reasoning_output_tokens: u64,
-    /// Seconds per output token of a decoding request, ms.
+    /// Time per output token of a decoding request, ms.
     #[arg(long, default_value_t = 5.0)]
     tpot_ms: f64,
     /// Scorer (token-load, active-request, latency); default: latency with
@@ -184,6 +184,11 @@ struct Server {
     /// small and hot, so it is never the LRU victim).
     reasoning_warm: bool,
 }
+
+/// The system prompt every reasoning request starts with, tokens (the seeds' reasoning
+/// workload). The simulator's config keeps the default block size, so the cache holds its
+/// full blocks.
+const REASONING_SHARED_TOKENS: u64 = 250;
 
 /// What a request asks for: a prompt on one of the shared prefixes, or a reasoning prompt.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -270,7 +275,7 @@ fn workload(a: &Args, cfg: &Config, rate: f64, seed: u64) -> Workload {
             h
         })
         .collect();
-    let shared = 250.min(a.reasoning_prompt_tokens);
+    let shared = REASONING_SHARED_TOKENS.min(a.reasoning_prompt_tokens);
     let mut reasoning = BlockHasher::new(seed, cfg.block_bytes(), cfg.max_prefix_blocks as usize);
     let mut system = vec![0u8; (shared as f64 * cfg.bytes_per_token) as usize];
     SmallRng::seed_from_u64(0xBEEF).fill_bytes(&mut system);
@@ -546,7 +551,7 @@ fn start_next(
         Kind::Reasoning => {
             s.cache.truncate(kv);
             // The shared system prompt's full blocks, once it has been there.
-            let shared = 250.min(a.reasoning_prompt_tokens);
+            let shared = REASONING_SHARED_TOKENS.min(a.reasoning_prompt_tokens);
             let block = u64::from(Config::default().block_size_tokens).max(1);
             reqs[i].shared_cached = if s.reasoning_warm {
                 shared / block * block
