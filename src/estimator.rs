@@ -4,13 +4,20 @@
 //! Per endpoint, one fixed-size record in the shared store (so every worker VM learns from,
 //! and routes by, the same numbers):
 //!
-//! - a TTFT model `ttft = a + b·W + c·A` fitted by recursive least squares with forgetting,
-//!   where `W` is the prefill work the request waited behind plus its own uncached tokens
-//!   (10k-token units) and `A` the requests active there at dispatch. `a` is the fixed
-//!   overhead, `1/b` the prefill rate R̂, `c` what a busy decode batch adds. Forgetting
-//!   (λ = 0.98, a memory of about 50 requests) follows an endpoint whose speed changes; a
+//! - a TTFT model `ttft = a + (W / R̂)·(1 + c·A)`, where `W` is the prefill work the request
+//!   waited behind plus its own uncached tokens and `A` the requests active there at
+//!   dispatch. `a` is the fixed overhead, R̂ the prefill rate, `c` the share of the prefill
+//!   time each running request adds: with chunked prefill every step carries one token of
+//!   each decoding request and takes longer with the batch, so a decode batch stretches a
+//!   prefill in proportion to its length (a seconds-per-request term instead charged a
+//!   20-token prompt as much as a 50,000-token one, and spread short prompts by batch size
+//!   alone). `a` and `c` are fitted by recursive least squares with forgetting (λ = 0.98, a
+//!   memory of about 50 requests) so the fit follows an endpoint whose speed changes; a
 //!   Huber weight (residuals past 3 robust scales count linearly) keeps a stalled or
-//!   mis-predicted request from dragging the fit;
+//!   mis-predicted request from dragging the fit. A request sent while the running requests
+//!   held [`POOL_PRESSURE`] of the KV pool may have waited for room there (vLLM admits a
+//!   request only when the pool has room for it): its delay is about the batch of the
+//!   moment, not the endpoint, and does not move `a` or `c`;
 //! - the cache correction: the share of the configured KV capacity the endpoint really
 //!   keeps. A predicted hit that misses (`usage.prompt_tokens_details.cached_tokens` below
 //!   the index's prediction) at LRU stack distance `d` says the server keeps less than `d`:
@@ -36,6 +43,11 @@ const FAST_OUTLIER_FACTOR: f64 = 8.0;
 const PRIOR_BUSY_S: f64 = 0.2;
 /// Active requests are fitted in units of this many requests.
 const ACTIVE_UNIT: f64 = 10.0;
+/// Share of the KV pool held by running requests (scraped `vllm:kv_cache_usage_perc`) past
+/// which an endpoint's pool, not its speed or its cache size, explains a slow first byte or
+/// a predicted hit that missed: neither teaches the estimates. llm-d's saturation detector
+/// counts an endpoint past the same share as saturated (`kvCacheUtilThreshold` 0.8).
+pub const POOL_PRESSURE: f64 = 0.8;
 /// Residuals past this many robust scales are down-weighted (Huber).
 const HUBER_K: f64 = 3.0;
 /// Observations (effective) before the learned rate replaces the prior.
@@ -62,8 +74,9 @@ pub struct Estimate {
     pub rate: f64,
     /// Fixed part of TTFT, seconds.
     pub overhead_s: f64,
-    /// Seconds each active request adds to TTFT.
-    pub per_active_s: f64,
+    /// Share of the prefill time each active request adds to TTFT (its decode steps share
+    /// the prefill's batches).
+    pub per_active: f64,
     /// Effective observations behind the fit (decays with forgetting).
     pub observations: f64,
     /// Observations ever made (never decays).
@@ -79,10 +92,11 @@ pub struct Estimate {
 
 impl Estimate {
     /// Predicted TTFT, seconds, of a request that waits behind `work_tokens` (its own
-    /// uncached tokens included) with `active` requests running there.
+    /// uncached tokens included) with `active` requests running there: their decode steps
+    /// share the prefill's batches.
     pub fn ttft_s(&self, work_tokens: u64, active: u64) -> f64 {
-        (self.overhead_s + work_tokens as f64 / self.rate + self.per_active_s * active as f64)
-            .max(0.0)
+        let prefill = work_tokens as f64 / self.rate;
+        (self.overhead_s + prefill * (1.0 + self.per_active * active as f64)).max(0.0)
     }
 }
 
@@ -95,8 +109,8 @@ struct Record {
     busy_s: f64,
     /// End of the busy time counted so far, ms.
     watermark_ms: f64,
-    /// `ttft − W / R̂ ≈ theta[0] + theta[1]·A`: the fixed overhead and what active
-    /// requests add.
+    /// `ttft − W / R̂ ≈ theta[0] + theta[1]·(W / R̂)·A`: the fixed overhead and the share
+    /// of the prefill time active requests add.
     theta: [f64; 2],
     /// Covariance of that fit, upper triangle: p00 p01 p11.
     p: [f64; 3],
@@ -266,7 +280,9 @@ impl Record {
 
     /// The overhead fit and the sample counts (at `usage`, with the served tokens).
     fn observe_fit(&mut self, sample: &TtftSample) {
-        self.fit_overhead(sample);
+        if sample.kv_usage < POOL_PRESSURE {
+            self.fit_overhead(sample);
+        }
         self.observations = self.observations * LAMBDA + 1.0;
         self.total += 1.0;
     }
@@ -278,12 +294,12 @@ impl Record {
         self.observe_fit(sample);
     }
 
-    /// Weighted RLS with forgetting of `ttft − W/R̂` on (1, A).
+    /// Weighted RLS with forgetting of `ttft − W/R̂` on (1, (W/R̂)·A).
     fn fit_overhead(&mut self, sample: &TtftSample) {
         let work = sample.ahead.saturating_add(sample.uncached) as f64;
         let y = (sample.first_byte_ms.saturating_sub(sample.dispatch_ms)) as f64 / 1000.0;
         let target = y - work / self.rate();
-        let x = [1.0, sample.active as f64 / ACTIVE_UNIT];
+        let x = [1.0, work / self.rate() * sample.active as f64 / ACTIVE_UNIT];
         let predicted = self.theta[0] + self.theta[1] * x[1];
         let e = target - predicted;
         let band = self.band(y);
@@ -330,7 +346,7 @@ impl Record {
         Estimate {
             rate,
             overhead_s: if learned { self.theta[0].max(0.0) } else { 0.0 },
-            per_active_s: if learned {
+            per_active: if learned {
                 (self.theta[1] / ACTIVE_UNIT).max(0.0)
             } else {
                 0.0
@@ -346,7 +362,7 @@ impl Record {
 }
 
 /// One streamed request's way to its first byte.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TtftSample {
     pub dispatch_ms: u64,
     pub first_byte_ms: u64,
@@ -355,6 +371,8 @@ pub struct TtftSample {
     pub uncached: u64,
     /// Requests active there at dispatch.
     pub active: u64,
+    /// Share of the KV pool running requests held there at dispatch (scraped; 0 unknown).
+    pub kv_usage: f64,
 }
 
 /// Outcome of comparing the index's predicted hit with what the server reported.
@@ -615,6 +633,7 @@ mod tests {
                 ahead,
                 uncached: own,
                 active: in_system.len() as u64 - 1,
+                kv_usage: 0.0,
             };
             both_halves(e, s, 3, &sample);
         }
@@ -642,6 +661,7 @@ mod tests {
                 ahead: 0,
                 uncached: 10_000,
                 active: 0,
+                kv_usage: 0.0,
             };
             let b = TtftSample {
                 dispatch_ms: t0,
@@ -649,6 +669,7 @@ mod tests {
                 ahead: 10_000,
                 uncached: 10_000,
                 active: 1,
+                kv_usage: 0.0,
             };
             // The index predicted half of each cached; the server had nothing.
             let counted_a = e.observe_first_byte(
@@ -726,6 +747,69 @@ mod tests {
         assert!((predicted - 0.53).abs() < 0.2, "{predicted} {est:?}");
     }
 
+    /// Samples from an endpoint at 20,000 tok/s whose running requests each stretch a
+    /// prefill by 2 %, prompts short and long, batches small and large.
+    fn stretched(kv_usage: f64) -> impl Iterator<Item = TtftSample> {
+        (0..300u64).map(move |i| {
+            let uncached = if i % 3 == 0 {
+                40_000
+            } else {
+                500 + 100 * (i % 7)
+            };
+            let active = i % 40;
+            let prefill_s = uncached as f64 / 20_000.0 * (1.0 + 0.02 * active as f64);
+            let t0 = i * 60_000;
+            TtftSample {
+                dispatch_ms: t0,
+                first_byte_ms: t0 + ((0.03 + prefill_s) * 1000.0) as u64,
+                ahead: 0,
+                uncached,
+                active,
+                kv_usage,
+            }
+        })
+    }
+
+    #[test]
+    fn a_decode_batch_stretches_a_long_prefill_more_than_a_short_one() {
+        let s = MemStore::new();
+        let e = Estimator::new("t", 20_000.0, 4.0);
+        for sample in stretched(0.3) {
+            both_halves(&e, &s, 3, &sample);
+        }
+        // The busy-time rate absorbs the mean stretch (about 20 running requests); the batch
+        // term carries the rest, in proportion to the prompt.
+        let est = e.read(&s, 3).unwrap();
+        assert!(est.per_active > 0.0, "{est:?}");
+        let long = est.ttft_s(40_000, 30) - est.ttft_s(40_000, 0);
+        let short = est.ttft_s(500, 30) - est.ttft_s(500, 0);
+        assert!(
+            long > 10.0 * short && short < 0.03,
+            "{long} {short} {est:?}"
+        );
+        let truth = 0.03 + 2.0 * 1.6;
+        let predicted = est.ttft_s(40_000, 30);
+        assert!(
+            (predicted - truth).abs() < 0.2 * truth,
+            "{predicted} {est:?}"
+        );
+    }
+
+    #[test]
+    fn a_first_byte_under_pool_pressure_teaches_no_overhead() {
+        // The same endpoint, but every sample sent while running requests held 90 % of the
+        // pool, and each waited 20 s for room: neither the overhead nor the batch term moves.
+        let s = MemStore::new();
+        let e = Estimator::new("t", 20_000.0, 4.0);
+        for mut sample in stretched(0.9) {
+            sample.first_byte_ms += 20_000;
+            e.observe_ttft(&s, 3, &sample, None).unwrap();
+        }
+        let est = e.read(&s, 3).unwrap();
+        assert!(est.learned, "{est:?}");
+        assert_eq!((est.overhead_s, est.per_active), (0.0, 0.0), "{est:?}");
+    }
+
     #[test]
     fn prior_until_enough_data_and_garbage_is_ignored() {
         let s = MemStore::new();
@@ -737,6 +821,7 @@ mod tests {
             ahead: 0,
             uncached: 1_000,
             active: 0,
+            kv_usage: 0.0,
         };
         for i in 0..5 {
             sample.dispatch_ms = i * 1_000;
@@ -830,6 +915,7 @@ mod tests {
             ahead: 5_000,
             uncached: 2_000,
             active: 3,
+            kv_usage: 0.0,
         });
         r.capacity_share = 0.5;
         r.checks_and_misses = (7, 3);

@@ -5,7 +5,7 @@
 
 use crate::config::{Config, TtftSource};
 use crate::endpoints::Endpoint;
-use crate::estimator::{cache_check, CacheCheck, Estimate, Estimator, TtftSample};
+use crate::estimator::{cache_check, CacheCheck, Estimate, Estimator, TtftSample, POOL_PRESSURE};
 use crate::index::{AffinityIndex, InsertReceipt};
 use crate::ledger::{blend, Charge, Load, LoadLedger};
 use crate::policy::{self, Ask, Candidate, Decision, Params, Policy};
@@ -48,6 +48,8 @@ pub struct Routed {
     pub uncached: u64,
     /// The picked endpoint's load at dispatch (real tokens), for the TTFT estimate.
     pub ahead: Load,
+    /// The share of its KV pool running requests held at dispatch, as last scraped.
+    pub kv_usage: f64,
     pub dispatch_ms: u64,
     /// Capacity of the picked endpoint in blocks before the cache correction.
     pub capacity_blocks: u64,
@@ -87,7 +89,7 @@ pub enum Outcome {
 }
 
 /// An endpoint's load at dispatch (real tokens) and the stack distance of its match.
-type Seen = (Load, Option<u64>);
+type Seen = (Load, Option<u64>, f64);
 
 /// Most of the pool running requests are taken to hold when scaling a miss's distance.
 const KV_USAGE_MAX: f64 = 0.9;
@@ -277,9 +279,11 @@ impl Router {
             .chain(decision.fallbacks.iter().copied())
             .filter_map(|i| healthy.get(i).map(|e| e.address.clone()))
             .collect();
-        let (ahead, distance_blocks) = seen.get(decision.endpoint).copied().unwrap_or_default();
+        let (ahead, distance_blocks, kv_usage) =
+            seen.get(decision.endpoint).copied().unwrap_or_default();
         Ok(Routed {
             ahead,
+            kv_usage,
             distance_blocks,
             decision,
             addresses,
@@ -346,11 +350,13 @@ impl Router {
                     .written_s
                     .is_some_and(|w| now_s.saturating_sub(w) >= settled_s);
                 let kv_usage = scraped.map_or(0.0, |m| m.kv_usage);
+                // Past POOL_PRESSURE the running requests squeeze the prefix cache: a miss
+                // there is about the batch, not the cache's size.
                 let distance = m
                     .distance
-                    .filter(|_| settled)
+                    .filter(|_| settled && kv_usage < POOL_PRESSURE)
                     .map(|d| free_distance(d, kv_usage));
-                Ok(((c, est), (raw, distance)))
+                Ok(((c, est), (raw, distance, kv_usage)))
             })
             .collect::<Result<Vec<_>, StoreError>>()
             .map(|v| {
@@ -440,6 +446,7 @@ impl Router {
             ahead: r.ahead.tokens,
             uncached: r.uncached,
             active: r.ahead.requests,
+            kv_usage: r.kv_usage,
         };
         r.pending_ttft = Some(sample);
         let counted = self.estimator.observe_first_byte(s, r.charge.slot, &sample);
@@ -652,9 +659,10 @@ mod tests {
 
     #[test]
     fn a_miss_while_running_requests_hold_the_pool_moves_the_share_less() {
-        // The same miss, once with no scrape and once with running requests holding three
-        // quarters of the endpoint's pool: the second says the cache keeps fewer than four
-        // times the distance, and the capacity the index assumes drops less.
+        // The same miss, once with no scrape, once with running requests holding three
+        // quarters of the endpoint's pool, once with them past POOL_PRESSURE: the second says
+        // the cache keeps fewer than four times the distance, and the capacity the index
+        // assumes drops less; the third says nothing about the cache.
         let capacity_after_miss = |kv_usage: Option<f64>| {
             let (mut r, mut t, s) = router(r#","peakPrefillThroughput":"auto""#);
             t.endpoints.truncate(1);
@@ -669,12 +677,12 @@ mod tests {
             t.endpoints[0].kv_usage = kv_usage;
             t.endpoints[0].scraped_at_ms = 30_000;
             let mut again = r.route(&s, &t.endpoints, &chain, 10_000, 30_000).unwrap();
-            assert!(again.distance_blocks.is_some_and(|d| d > 0));
             let check = r
                 .observe_usage(&s, &mut again, "m", 40_000, 10_000, Some(0))
                 .unwrap();
             assert_eq!(check, CacheCheck::Missed);
-            r.index.matched(&s, 0, &[]).unwrap().capacity
+            let capacity = r.index.matched(&s, 0, &[]).unwrap().capacity;
+            (again.distance_blocks, capacity)
         };
         let configured = {
             let (r, t, s) = router("");
@@ -683,12 +691,19 @@ mod tests {
                 .unwrap()
                 .capacity
         };
-        let (free, held) = (capacity_after_miss(None), capacity_after_miss(Some(0.75)));
+        let ((d_free, free), (d_held, held)) =
+            (capacity_after_miss(None), capacity_after_miss(Some(0.75)));
+        assert!(
+            d_free.is_some_and(|d| d > 0) && d_held > d_free,
+            "{d_free:?} {d_held:?}"
+        );
         assert!(free < configured, "{free} < {configured}");
         assert!(
             free < held && held < configured,
             "{free} < {held} < {configured}"
         );
+        // Past POOL_PRESSURE the batch explains the miss: the capacity stays.
+        assert_eq!(capacity_after_miss(Some(0.85)), (None, configured));
     }
 
     #[test]

@@ -163,7 +163,7 @@ impl Vm {
                     "estimate": est.map(|x| json!({
                         "prefillTokensPerS": x.rate.round(),
                         "overheadMs": (x.overhead_s * 1000.0).round(),
-                        "perActiveRequestMs": (x.per_active_s * 1000.0).round(),
+                        "perActiveRequestShare": (x.per_active * 1e4).round() / 1e4,
                         "learned": x.learned,
                         "ttftSamplesEffective": (x.observations * 10.0).round() / 10.0,
                         "ttftSamplesTotal": x.total,
