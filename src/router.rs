@@ -88,7 +88,8 @@ pub enum Outcome {
     FailedEarly,
 }
 
-/// An endpoint's load at dispatch (real tokens) and the stack distance of its match.
+/// An endpoint's load at dispatch (real tokens), the stack distance of its match, and the
+/// share of its KV pool running requests held (as last scraped; 0 without a scrape).
 type Seen = (Load, Option<u64>, f64);
 
 /// Most of the pool running requests are taken to hold when scaling a miss's distance.
