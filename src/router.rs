@@ -92,18 +92,16 @@ pub enum Outcome {
 /// share of its KV pool running requests held (as last scraped; 0 without a scrape).
 type Seen = (Load, Option<u64>, f64);
 
-/// Most of the pool running requests are taken to hold when scaling a miss's distance.
-const KV_USAGE_MAX: f64 = 0.9;
-
 /// A prefix's LRU stack distance as the cache correction weighs a miss: the blocks stamped
 /// since its use, over the share of the KV pool the running requests left to the prefix
 /// cache (vLLM's `kv_cache_usage_perc` counts the blocks they hold). A miss at distance `d`
 /// while they hold a share `u` says the cache keeps fewer than `d / (1 - u)` blocks, not
 /// fewer than `d`: a batch of long decodes shrinks the room for prefixes for a while, and
-/// that is not a smaller cache.
+/// that is not a smaller cache. Past [`POOL_PRESSURE`] a miss teaches nothing (the router
+/// drops its distance), so the share counts at most that.
 pub fn free_distance(blocks: u64, kv_usage: f64) -> u64 {
     let used = if kv_usage.is_finite() {
-        kv_usage.clamp(0.0, KV_USAGE_MAX)
+        kv_usage.clamp(0.0, POOL_PRESSURE)
     } else {
         0.0
     };
@@ -711,7 +709,7 @@ mod tests {
     fn free_distance_counts_the_share_running_requests_leave() {
         assert_eq!(free_distance(100, 0.0), 100);
         assert_eq!(free_distance(100, 0.5), 200);
-        // At most a tenth of the pool counts as left; garbage counts as nothing held.
+        // At most POOL_PRESSURE counts as held; garbage counts as nothing held.
         assert_eq!(free_distance(100, 1.0), free_distance(100, 0.9));
         assert_eq!(free_distance(100, f64::NAN), 100);
         assert_eq!(free_distance(100, -3.0), 100);
