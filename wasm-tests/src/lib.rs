@@ -1,7 +1,7 @@
 //! Test support for tokenaware: a simulated vLLM fleet ([`fleet`]), an Envoy harness
 //! ([`envoy`]), the load generator ([`loadgen`]), benchmark plots ([`plot`]), the OCI image
-//! writer ([`oci`]), free loopback ports ([`ports`]) and the paired added-latency
-//! measurement ([`paired`]).
+//! writer ([`oci`]), free loopback ports ([`ports`]), the paired added-latency
+//! measurement ([`paired`]) and learned rates watched during a run ([`ratewatch`]).
 //!
 //! Typical end-to-end test:
 //!
@@ -24,4 +24,5 @@ pub mod oci;
 pub mod paired;
 pub mod plot;
 pub mod ports;
+pub mod ratewatch;
 pub mod replicas;

@@ -311,6 +311,40 @@ async fn max_num_seqs_queues_and_decode_slows_with_the_batch() {
     assert!(batch > alone * 2, "alone {alone:?}, batch of 40 {batch:?}");
 }
 
+/// Scaled, a decode-only step stands for ten engine steps (token scale 0.1): a prompt that
+/// arrives during one is admitted at the next engine step (20 ms here), not when the whole
+/// simulated token (200 ms) is done, and the decoder still takes its modelled time.
+#[tokio::test]
+async fn a_request_joins_a_scaled_decode_step_at_the_next_engine_step() {
+    let f = Fleet::start_on_free_ports(FleetConfig {
+        endpoints: 1,
+        timing: Timing {
+            time_factor: 1.0,
+            decode_ms_per_token: 200.0,
+            token_scale: 0.1,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .unwrap();
+    let url = format!("http://{}/v1/completions", f.endpoints()[0]);
+    let c = client();
+    let t0 = Instant::now();
+    let (_, (b, _)) = tokio::join!(ttft(&c, &url, "a", 6), async {
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        ttft(&c, &url, "b", 1).await
+    });
+    // b came about 60 ms into a's first 200 ms decode step: it waits for the current
+    // engine step (at most 20 ms) and one prefill step, not the rest of the 200 ms.
+    assert!(b < Duration::from_millis(110), "b's TTFT {b:?}");
+    // a's five decode tokens still take five simulated tokens' time (1 s).
+    let a_total = t0.elapsed();
+    assert!(
+        a_total >= Duration::from_millis(950) && a_total < Duration::from_millis(1_600),
+        "a took {a_total:?}"
+    );
+}
+
 /// The KV pool is shared as in vLLM: a request waits while running ones reserve the room it
 /// needs, and what they reserve is taken from the prefix cache.
 #[tokio::test]

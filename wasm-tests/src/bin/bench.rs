@@ -35,6 +35,7 @@ use serde_json::json;
 use wasm_tests::envoy::{repo_root, Envoy, FallbackLb, GatewayConfig};
 use wasm_tests::fleet::{Fleet, FleetConfig, Timing, MODEL};
 use wasm_tests::loadgen::{self, Stage, Summary, Target, Workload, WorkloadKind};
+use wasm_tests::ratewatch::{RateWatch, Reached};
 
 const TARGETS: [&str; 6] = [
     "envoy-round-robin",
@@ -294,14 +295,10 @@ fn report_learned(gw: &Gateway, p: &Profile, endpoints: usize, target: &str) {
     let Gateway::Envoy(e) = gw else { return };
     let fast = R_PEAK * p.scale / p.time_factor;
     let mut any_samples = false;
+    let reals = real_rates(p, endpoints);
     let learned: Vec<String> = (0..endpoints)
         .filter_map(|slot| {
-            // Slots follow the configured endpoint order, which is the fleet's.
-            let real = if slot < p.slow_endpoints {
-                fast * wasm_tests::fleet::SLOW_PREFILL_FACTOR
-            } else {
-                fast
-            };
+            let real = reals[slot];
             let name = format!("wasmcustom.tokenaware_endpoint_{slot}_prefill_tokens_per_s");
             let rate = e.stat(&name).ok().flatten()?;
             let samples = e
@@ -337,6 +334,62 @@ fn report_learned(gw: &Gateway, p: &Profile, endpoints: usize, target: &str) {
         "{target}: KV capacity share the index assumes (the fleet keeps {:.0} % of what it reports): {}",
         100.0 / p.kv_report_factor,
         shares.join(", ")
+    );
+}
+
+/// Each slot's real prefill rate in real time (the gauges' units). Slots follow the
+/// configured endpoint order, which is the fleet's.
+fn real_rates(p: &Profile, endpoints: usize) -> Vec<f64> {
+    let fast = R_PEAK * p.scale / p.time_factor;
+    (0..endpoints)
+        .map(|slot| match slot < p.slow_endpoints {
+            true => fast * wasm_tests::fleet::SLOW_PREFILL_FACTOR,
+            false => fast,
+        })
+        .collect()
+}
+
+/// Samples per endpoint the issue gives the estimate to come within 15 %.
+const CONVERGE_SAMPLES: i64 = 200;
+
+/// Watches a learning target's estimates during its ladder (see `wasm_tests::ratewatch`).
+fn watch_rates(gw: &Gateway, p: &Profile, endpoints: usize, target: &str) -> Option<RateWatch> {
+    let Gateway::Envoy(e) = gw else { return None };
+    if !LEARNING_TARGETS.contains(&target) || target == "tokenaware-fixed-high" {
+        return None;
+    }
+    Some(RateWatch::start(
+        e.admin_port(),
+        real_rates(p, endpoints),
+        CONVERGE_SAMPLES,
+        Duration::from_millis(500),
+        Duration::from_secs(4 * 3600),
+    ))
+}
+
+fn report_watched(reached: &[Option<Reached>], target: &str) {
+    let cells: Vec<String> = reached
+        .iter()
+        .map(|r| match r {
+            Some(r) => format!(
+                "{:+.1}% ({} samples; worst after {:+.1}%)",
+                r.err * 100.0,
+                r.samples,
+                r.worst_after * 100.0
+            ),
+            None => format!("under {CONVERGE_SAMPLES} samples"),
+        })
+        .collect();
+    let within = reached
+        .iter()
+        .flatten()
+        .filter(|r| r.worst_after.abs() <= 0.15)
+        .count();
+    eprintln!(
+        "{target}: learned R_peak when an endpoint reached {CONVERGE_SAMPLES} samples: {}; \
+         within 15 % from then on: {within} of {}",
+        cells.join(", "),
+        reached.iter().flatten().count()
     );
 }
 
@@ -612,6 +665,9 @@ async fn run_one(
     let w = Workload::new(kind, p.scale, seed);
     let end = LadderEnd::new(p.slo_s);
     let label = format!("{}/{target} x{}", kind.name(), targets.len());
+    let watch = gws
+        .first()
+        .and_then(|gw| watch_rates(gw, p, eps.len(), target));
     let stages = wasm_tests::replicas::ladder(
         &client,
         &targets,
@@ -624,6 +680,9 @@ async fn run_one(
         |s| end.after(s),
     )
     .await;
+    if let Some(w) = watch {
+        report_watched(&w.finish(), target);
+    }
     for gw in &gws {
         report_learned(gw, p, eps.len(), target);
         report_decisions(gw, target);

@@ -11,7 +11,9 @@
 //! `1 / token_scale` engine steps, but a prefill chunk is one engine step, during which each
 //! decoding request makes one model token (`token_scale` of a simulated one). Charging a
 //! whole simulated token there would slow prefill `1 / token_scale` times more than the
-//! engine does when prompts and long outputs share an endpoint.
+//! engine does when prompts and long outputs share an endpoint. For the same reason a
+//! decode-only step ends at the next engine-step boundary when a request arrives during it
+//! (vLLM admits waiting requests at every engine step).
 //!
 //! The prefix cache is looked up when a request is admitted (at least one prompt token is
 //! always computed, as in vLLM) and filled when its prefill completes; the first output
@@ -244,12 +246,16 @@ async fn run(ep: Arc<Endpoint>) {
             clock = now;
         }
         let step = step_duration(&t, prefill_tokens, n_decode) * tf;
-        let share = decode_share(&t, prefill_tokens);
-        if step.is_finite() && step > 0.0 {
-            clock += Duration::from_secs_f64(step);
-        }
-        if clock > Instant::now() + SLACK {
-            tokio::time::sleep_until(clock.into()).await;
+        let mut share = decode_share(&t, prefill_tokens);
+        if prefill_tokens == 0 && step.is_finite() && step > 0.0 {
+            (clock, share) = decode_only_step(&sched.wake, clock, step, t.token_scale).await;
+        } else {
+            if step.is_finite() && step > 0.0 {
+                clock += Duration::from_secs_f64(step);
+            }
+            if clock > Instant::now() + SLACK {
+                tokio::time::sleep_until(clock.into()).await;
+            }
         }
         // Deliver the step's tokens.
         let mut q = lock(&sched.queues);
@@ -295,6 +301,41 @@ async fn run(ep: Arc<Endpoint>) {
         }
         drop(cache);
         ep.running.store(q.running.len() as i64, Ordering::Relaxed);
+    }
+}
+
+/// A decode-only step from `start`, `step_s` long: returns its end and the share of a
+/// simulated token each decoder made. Scaled, the step stands for `1 / token_scale` engine
+/// steps, and vLLM admits waiting requests at every engine step: a request that arrives
+/// during it ends it at the next engine-step boundary, with the decoders credited the engine
+/// steps done. (Run whole, it made a short prompt that arrived just after it began wait ten
+/// engine steps, which the learned prefill rate counted as prefill time.)
+async fn decode_only_step(
+    wake: &Notify,
+    start: Instant,
+    step_s: f64,
+    token_scale: f64,
+) -> (Instant, f64) {
+    let full = start + Duration::from_secs_f64(step_s);
+    let scale = token_scale.clamp(f64::MIN_POSITIVE, 1.0);
+    if scale >= 1.0 || full <= Instant::now() + SLACK {
+        if full > Instant::now() + SLACK {
+            tokio::time::sleep_until(full.into()).await;
+        }
+        return (full, 1.0);
+    }
+    tokio::select! {
+        _ = tokio::time::sleep_until(full.into()) => (full, 1.0),
+        _ = wake.notified() => {
+            let engine_s = step_s * scale;
+            let done = Instant::now().saturating_duration_since(start).as_secs_f64();
+            let steps = (done / engine_s).ceil().max(1.0);
+            let end = start + Duration::from_secs_f64((steps * engine_s).min(step_s));
+            if end > Instant::now() + SLACK {
+                tokio::time::sleep_until(end.into()).await;
+            }
+            (end, (steps * scale).min(1.0))
+        }
     }
 }
 
