@@ -19,6 +19,18 @@ fn fleet(endpoints: usize, names: MetricsNames) -> Fleet {
     .unwrap()
 }
 
+/// One endpoint with `timing`, and its completions URL.
+fn one_endpoint(timing: Timing) -> (Fleet, String) {
+    let f = Fleet::start_on_free_ports(FleetConfig {
+        endpoints: 1,
+        timing,
+        ..Default::default()
+    })
+    .unwrap();
+    let url = format!("http://{}/v1/completions", f.endpoints()[0]);
+    (f, url)
+}
+
 fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .timeout(Duration::from_secs(10))
@@ -216,16 +228,10 @@ async fn ttft(
 async fn cold_and_warm_prefill_match_the_model() {
     // Real time: the fixed cost below is noisy on a loaded machine; model times dominate it.
     let tf = 1.0;
-    let f = Fleet::start_on_free_ports(FleetConfig {
-        endpoints: 1,
-        timing: Timing {
-            time_factor: tf,
-            ..Default::default()
-        },
+    let (_fleet, url) = one_endpoint(Timing {
+        time_factor: tf,
         ..Default::default()
-    })
-    .unwrap();
-    let url = format!("http://{}/v1/completions", f.endpoints()[0]);
+    });
     let c = client();
     // The fixed cost of a request this size (client, HTTP, JSON, block hashing; large in a
     // debug build) is measured by sending the same prompt again: then only its last partial
@@ -262,18 +268,12 @@ async fn cold_and_warm_prefill_match_the_model() {
 /// with many requests are slower than with one.
 #[tokio::test]
 async fn max_num_seqs_queues_and_decode_slows_with_the_batch() {
-    let f = Fleet::start_on_free_ports(FleetConfig {
-        endpoints: 1,
-        timing: Timing {
-            time_factor: 1.0,
-            decode_ms_per_token: 10.0,
-            max_num_seqs: 1,
-            ..Default::default()
-        },
+    let (f, url) = one_endpoint(Timing {
+        time_factor: 1.0,
+        decode_ms_per_token: 10.0,
+        max_num_seqs: 1,
         ..Default::default()
-    })
-    .unwrap();
-    let url = format!("http://{}/v1/completions", f.endpoints()[0]);
+    });
     let c = client();
     let t0 = Instant::now();
     let (a, b) = tokio::join!(ttft(&c, &url, "a", 20), async {
@@ -286,18 +286,12 @@ async fn max_num_seqs_queues_and_decode_slows_with_the_batch() {
     assert!(t0.elapsed() < Duration::from_secs(2));
     drop(f);
 
-    let wide = Fleet::start_on_free_ports(FleetConfig {
-        endpoints: 1,
-        timing: Timing {
-            time_factor: 1.0,
-            decode_ms_per_token: 2.0,
-            decode_batch_slope: 0.05,
-            ..Default::default()
-        },
+    let (_wide, url) = one_endpoint(Timing {
+        time_factor: 1.0,
+        decode_ms_per_token: 2.0,
+        decode_batch_slope: 0.05,
         ..Default::default()
-    })
-    .unwrap();
-    let url = format!("http://{}/v1/completions", wide.endpoints()[0]);
+    });
     let alone = Instant::now();
     ttft(&c, &url, "x", 50).await;
     let alone = alone.elapsed();
@@ -316,18 +310,12 @@ async fn max_num_seqs_queues_and_decode_slows_with_the_batch() {
 /// simulated token (200 ms) is done, and the decoder still takes its modelled time.
 #[tokio::test]
 async fn a_request_joins_a_scaled_decode_step_at_the_next_engine_step() {
-    let f = Fleet::start_on_free_ports(FleetConfig {
-        endpoints: 1,
-        timing: Timing {
-            time_factor: 1.0,
-            decode_ms_per_token: 200.0,
-            token_scale: 0.1,
-            ..Default::default()
-        },
+    let (_fleet, url) = one_endpoint(Timing {
+        time_factor: 1.0,
+        decode_ms_per_token: 200.0,
+        token_scale: 0.1,
         ..Default::default()
-    })
-    .unwrap();
-    let url = format!("http://{}/v1/completions", f.endpoints()[0]);
+    });
     let c = client();
     let t0 = Instant::now();
     let (_, (b, _)) = tokio::join!(ttft(&c, &url, "a", 6), async {
