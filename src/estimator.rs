@@ -820,7 +820,7 @@ mod tests {
     }
 
     /// Short warm prompts one at a time on an endpoint at 20,000 tok/s with 40 ms of fixed
-    /// overhead per request: a third to two thirds of each interval is not prefill.
+    /// overhead per request: a fifth to two thirds of each interval is not prefill.
     #[test]
     fn a_fixed_overhead_is_not_counted_as_prefill() {
         let s = MemStore::new();
