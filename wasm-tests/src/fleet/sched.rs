@@ -253,9 +253,7 @@ async fn run(ep: Arc<Endpoint>) {
             if step.is_finite() && step > 0.0 {
                 clock += Duration::from_secs_f64(step);
             }
-            if clock > Instant::now() + SLACK {
-                tokio::time::sleep_until(clock.into()).await;
-            }
+            sleep_until_due(clock).await;
         }
         // Deliver the step's tokens.
         let mut q = lock(&sched.queues);
@@ -319,9 +317,7 @@ async fn decode_only_step(
     let full = start + Duration::from_secs_f64(step_s);
     let scale = token_scale.clamp(f64::MIN_POSITIVE, 1.0);
     if scale >= 1.0 || full <= Instant::now() + SLACK {
-        if full > Instant::now() + SLACK {
-            tokio::time::sleep_until(full.into()).await;
-        }
+        sleep_until_due(full).await;
         return (full, 1.0);
     }
     tokio::select! {
@@ -331,11 +327,16 @@ async fn decode_only_step(
             let done = Instant::now().saturating_duration_since(start).as_secs_f64();
             let steps = (done / engine_s).ceil().max(1.0);
             let end = start + Duration::from_secs_f64((steps * engine_s).min(step_s));
-            if end > Instant::now() + SLACK {
-                tokio::time::sleep_until(end.into()).await;
-            }
+            sleep_until_due(end).await;
             (end, (steps * scale).min(1.0))
         }
+    }
+}
+
+/// Sleeps until `at`, unless it is within `SLACK` of now (the step clock may run behind).
+async fn sleep_until_due(at: Instant) {
+    if at > Instant::now() + SLACK {
+        tokio::time::sleep_until(at.into()).await;
     }
 }
 
