@@ -354,21 +354,36 @@ fn tau_config(eps: &[String], tau: u64) -> String {
     plugin_config(eps, &format!("{POLL},\"tau\":{tau}"))
 }
 
+/// Three endpoints behind a listener whose plugin config can be replaced at runtime.
+async fn start_reconfigurable(config: impl FnOnce(&[String]) -> String) -> Gateway {
+    let dynamic = |g: GatewayConfig| GatewayConfig {
+        dynamic_listener: true,
+        ..g
+    };
+    start_with(fleet(3, 0.01), wasm_path(), dynamic, config).await
+}
+
+/// Pushes a new plugin config; true when Envoy took it. New connections then get the new
+/// filter chain (the old listener drains), so the client stops reusing its connections.
+fn reconfigure(gw: &mut Gateway, cfg: &str) -> bool {
+    let envoy = &mut gw.envoy;
+    let accepted = tokio::task::block_in_place(|| envoy.set_plugin_config(cfg)).unwrap();
+    if accepted {
+        gw.http = reqwest::Client::builder()
+            .timeout(CLIENT_TIMEOUT)
+            .pool_max_idle_per_host(0)
+            .build()
+            .unwrap();
+    }
+    accepted
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_runtime_reconfiguration_uses_the_new_tau_and_keeps_the_tables() {
     if !have_envoy() {
         return;
     }
-    let mut gw = start_with(
-        fleet(3, 0.01),
-        wasm_path(),
-        |g| GatewayConfig {
-            dynamic_listener: true,
-            ..g
-        },
-        |eps| tau_config(eps, 300_000),
-    )
-    .await;
+    let mut gw = start_reconfigurable(|eps| tau_config(eps, 300_000)).await;
     let eps = gw.fleet.endpoints();
     let before = gw.debug().await;
     assert_eq!(before["tau"], 300_000.0);
@@ -381,15 +396,7 @@ async fn a_runtime_reconfiguration_uses_the_new_tau_and_keeps_the_tables() {
     let slow_poll =
         r#""metrics":{"cluster":"models","intervalMs":1000,"timeoutMs":500,"staleAfterMs":3000}"#;
     let cfg = plugin_config(&eps, &format!("{slow_poll},\"tau\":1234"));
-    let envoy = &mut gw.envoy;
-    let accepted = tokio::task::block_in_place(|| envoy.set_plugin_config(&cfg)).unwrap();
-    assert!(accepted, "the new config was rejected");
-    // New connections get the new filter chain (the old listener drains).
-    gw.http = reqwest::Client::builder()
-        .timeout(CLIENT_TIMEOUT)
-        .pool_max_idle_per_host(0)
-        .build()
-        .unwrap();
+    assert!(reconfigure(&mut gw, &cfg), "the new config was rejected");
     let after = gw.debug_until("the new τ", |d| d["tau"] == 1_234.0).await;
     assert_ne!(
         after["vm"], before["vm"],
@@ -426,21 +433,13 @@ async fn an_invalid_runtime_config_is_rejected_and_the_old_one_keeps_serving() {
     if !have_envoy() {
         return;
     }
-    let mut gw = start_with(
-        fleet(3, 0.01),
-        wasm_path(),
-        |g| GatewayConfig {
-            dynamic_listener: true,
-            ..g
-        },
-        |eps| tau_config(eps, 300_000),
-    )
-    .await;
+    let mut gw = start_reconfigurable(|eps| tau_config(eps, 300_000)).await;
     let eps = gw.fleet.endpoints();
     let bad = plugin_config(&eps, r#""affinityThreshold":7"#);
-    let envoy = &mut gw.envoy;
-    let accepted = tokio::task::block_in_place(|| envoy.set_plugin_config(&bad)).unwrap();
-    assert!(!accepted, "Envoy took an invalid plugin config");
+    assert!(
+        !reconfigure(&mut gw, &bad),
+        "Envoy took an invalid plugin config"
+    );
     let log = gw.envoy.log();
     assert!(
         log.contains("invalid tokenaware config: field `affinityThreshold`"),
@@ -639,28 +638,13 @@ async fn a_runtime_reconfiguration_with_a_new_endpoint_list_takes_effect() {
     if !have_envoy() {
         return;
     }
-    let mut gw = start_with(
-        fleet(3, 0.01),
-        wasm_path(),
-        |g| GatewayConfig {
-            dynamic_listener: true,
-            ..g
-        },
-        |eps| plugin_config(eps, POLL),
-    )
-    .await;
+    let mut gw = start_reconfigurable(|eps| plugin_config(eps, POLL)).await;
     let eps = gw.fleet.endpoints();
     // Polls have written the table to shared data.
     gw.stat_at_least("tokenaware_polls_ok", 6, 10).await;
     // The operator drops the first endpoint from the list.
     let cfg = plugin_config(&eps[1..], POLL);
-    let envoy = &mut gw.envoy;
-    assert!(tokio::task::block_in_place(|| envoy.set_plugin_config(&cfg)).unwrap());
-    gw.http = reqwest::Client::builder()
-        .timeout(CLIENT_TIMEOUT)
-        .pool_max_idle_per_host(0)
-        .build()
-        .unwrap();
+    assert!(reconfigure(&mut gw, &cfg));
     let d = gw
         .debug_until("the new list", |d| {
             d["endpoints"].as_array().unwrap().len() == 2
