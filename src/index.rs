@@ -90,6 +90,8 @@ pub struct Match {
     /// ... and the last use of the prefix at the rank a new prompt of this size pushes out
     /// (`capacity / prompt blocks` prompts fit), if the records reach that deep.
     pub victim_used_s: Option<u32>,
+    /// ... and the last use of this prompt's own head record there, if it has one.
+    pub used_s: Option<u32>,
     /// Blocks stamped on the endpoint since the deepest matched segment was (its LRU stack
     /// distance, at epoch grain), when anything matched: a server whose cache is smaller
     /// than this has evicted it.
@@ -216,6 +218,7 @@ impl AffinityIndex {
             held: h.held,
             rank: None,
             victim_used_s: None,
+            used_s: None,
             distance: None,
             written_s: None,
         };
@@ -223,7 +226,7 @@ impl AffinityIndex {
             return Ok(m);
         }
         let fit = (h.capacity / chain.len() as u64).max(1) as usize;
-        (m.rank, m.victim_used_s) = recency(&v, chain[0], fit);
+        (m.rank, m.victim_used_s, m.used_s) = recency(&v, chain[0], fit);
         let segments = chain.len().div_ceil(SEGMENT);
         // A prefix cache only serves a prompt from its first block on: an endpoint without
         // the first segment matches nothing (one read for most endpoints, where a search
@@ -547,10 +550,10 @@ fn head_epoch(b: &[u8], i: usize, clock: u64) -> u64 {
     clock.wrapping_add_signed(i64::from(delta))
 }
 
-/// `head`'s rank among the head records by last use (then epoch), newest first, and the
-/// last use of the record at rank `fit - 1`. On the stack: this runs for every endpoint of
-/// every decision.
-fn recency(b: &[u8], head: u64, fit: usize) -> (Option<u32>, Option<u32>) {
+/// `head`'s rank among the head records by last use (then epoch), newest first, the last
+/// use of the record at rank `fit - 1`, and `head`'s own last use. On the stack: this runs
+/// for every endpoint of every decision.
+fn recency(b: &[u8], head: u64, fit: usize) -> (Option<u32>, Option<u32>, Option<u32>) {
     let mut order = [(0u32, 0u32, 0u64); HEADS];
     let mut n = 0;
     for i in 0..HEADS {
@@ -562,8 +565,9 @@ fn recency(b: &[u8], head: u64, fit: usize) -> (Option<u32>, Option<u32>) {
     }
     let order = &mut order[..n];
     order.sort_unstable_by(|x, y| y.cmp(x));
-    let rank = order.iter().position(|r| r.2 == head).map(|r| r as u32);
-    (rank, order.get(fit - 1).map(|r| r.0))
+    let at = order.iter().position(|r| r.2 == head);
+    let used = at.and_then(|i| order.get(i)).map(|r| r.0);
+    (at.map(|r| r as u32), order.get(fit - 1).map(|r| r.0), used)
 }
 
 fn recalls(b: &[u8], head: u64) -> bool {
@@ -831,6 +835,11 @@ mod tests {
         assert_eq!(s.get(&ix.header_key(0)).unwrap().1, again);
         // By last use: p0 (50 s), p3, p2, p1 (10 s): a new prompt would push out p1.
         assert_eq!(ix.matched(&s, 0, &p[1]).unwrap().rank, Some(3));
+        let used = |q: &[u64]| ix.matched(&s, 0, q).unwrap().used_s;
+        assert_eq!(
+            (used(&p[0]), used(&p[1]), used(&p[4])),
+            (Some(50), Some(10), None)
+        );
         assert_eq!(ix.matched(&s, 0, &p[4]).unwrap().rank, None);
         assert_eq!(ix.matched(&s, 0, &p[4]).unwrap().victim_used_s, Some(10));
         // A prompt half the size fits eight times: the records do not reach that deep.

@@ -343,6 +343,7 @@ impl Router {
                         .victim_used_s
                         .map(|t| ((now_ms / 1000) as u32).saturating_sub(t)),
                     rank: m.rank,
+                    idle_s: m.used_s.map(|t| ((now_ms / 1000) as u32).saturating_sub(t)),
                     speed: 1.0,
                 };
                 let settled = m

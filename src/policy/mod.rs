@@ -46,6 +46,8 @@ pub struct Candidate {
     pub victim_idle_s: Option<u32>,
     /// This prompt's rank by last use among the endpoint's recent prefixes.
     pub rank: Option<u32>,
+    /// Seconds since this prompt's prefix was last sent there, if it is among them.
+    pub idle_s: Option<u32>,
     /// Learned prefill rate over the configured one (1 without learning): this request's
     /// uncached tokens cost `1 / speed` reference tokens each there.
     pub speed: f64,
@@ -75,6 +77,7 @@ impl Default for Candidate {
             held: 0,
             victim_idle_s: None,
             rank: None,
+            idle_s: None,
             speed: 1.0,
         }
     }
@@ -130,15 +133,18 @@ pub enum Reason {
     AllSaturated,
     /// A policy that ignores affinity (round robin, least load).
     Balanced,
+    /// A hot prefix held only on slow endpoints, copied to a much faster idle one.
+    Promote,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 5] = [
+    pub const ALL: [Reason; 6] = [
         Reason::Sticky,
         Reason::Spill,
         Reason::Cold,
         Reason::AllSaturated,
         Reason::Balanced,
+        Reason::Promote,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -148,6 +154,7 @@ impl Reason {
             Reason::Cold => "cold",
             Reason::AllSaturated => "all_saturated",
             Reason::Balanced => "balanced",
+            Reason::Promote => "promote",
         }
     }
 }

@@ -44,6 +44,7 @@ pub fn fleet(spec: &[(usize, u64)]) -> Vec<Candidate> {
             held: 0,
             victim_idle_s: None,
             rank: None,
+            idle_s: None,
             speed: 1.0,
         })
         .collect()

@@ -1,7 +1,7 @@
 //! tokenaware: sticky until saturated, with four changes that remove its failures in the
 //! seeds' simulation (a cliff when τ is low, long queues when τ is high, repeated cold fills
 //! while the caches hold the working set, and cold fills when the whole fleet is short of
-//! capacity).
+//! capacity), and one for fleets whose endpoints differ in speed.
 //!
 //! - τ is bounded by the prompt's own prefill: at least `TAU_MIN_PROMPTS` and at most
 //!   `TAU_MAX_PROMPTS` prompts' worth of tokens (at the slowest warm endpoint's learned
@@ -20,6 +20,11 @@
 //!   so gateway replicas that share no state still tend to agree.
 //! - When every endpoint is past τ, spilling cannot create headroom, it only turns capacity
 //!   into cold fills: stay sticky.
+//! - With learned rates, a hot prefix warm only on slow endpoints is promoted to a much
+//!   faster endpoint with nothing queued whose eviction victim is far colder. Prefixes stay
+//!   where their first placement put them, before any rate was learned; the hottest ones
+//!   are most of the traffic, and on a half-speed endpoint each of their questions takes
+//!   twice as long.
 //!
 //! Why not least-loaded spills (llm-d): each spill then lands wherever load is momentarily
 //! lowest, so a hot prefix ends up cold-filled on many endpoints, which is the cliff.
@@ -51,6 +56,15 @@ const REPLICA_BAND: f64 = 0.25;
 /// prompt's prefill (the refill lands on whichever endpoint is free then).
 const EVICT_HORIZON_S: f64 = 10.0;
 const EVICT_WEIGHT: f64 = 0.5;
+/// Promotion: a target at least this many times faster than every warm endpoint ...
+const PROMOTE_SPEEDUP: f64 = 1.5;
+/// ... whose eviction victim has been idle this many times longer than the prefix's last
+/// gap (plus a second: last use is kept in whole seconds). One gap is a noisy reading of a
+/// prefix's rate; at 8x the simulator swapped prefixes back and forth, at 100x it moved only
+/// the hottest few, once ...
+const PROMOTE_HOTTER: u32 = 100;
+/// ... and with at most this share of a prompt queued there.
+const PROMOTE_QUEUE: f64 = 0.125;
 
 impl Tokenaware {
     /// This request's τ: the configured one within the prompt bounds. The bounds count the
@@ -192,6 +206,31 @@ impl Tokenaware {
         Self::rendezvous_pick(fleet, &near, key)
     }
 
+    /// A hot prefix whose only warm endpoints are slow, copied to a much faster endpoint
+    /// with nothing queued whose eviction victim is far colder (or with room). Rates learned
+    /// after a prefix was first placed do not move it otherwise: every later request finds
+    /// it warm where it is. Hotness is read from last use: the prefix's previous request
+    /// there against the victim's; once the fast endpoints hold the hottest prefixes, their
+    /// victims are hot too and promotions stop.
+    fn promote(&self, ask: &Ask, fleet: &[Candidate], w: &[usize], pick: usize) -> Option<usize> {
+        let idle = fleet.get(pick)?.idle_s?;
+        let fastest_warm = w.iter().map(|&i| fleet[i].speed()).fold(0.0, f64::max);
+        let queue = ask.tokens as f64 * PROMOTE_QUEUE;
+        (0..fleet.len())
+            .filter(|i| !w.contains(i))
+            .filter(|&i| {
+                let c = &fleet[i];
+                let colder = match c.victim_idle_s {
+                    Some(v) => v >= PROMOTE_HOTTER.saturating_mul(idle.saturating_add(1)),
+                    None => c.held.saturating_add(ask.chain.len() as u64) <= c.capacity,
+                };
+                c.speed() >= PROMOTE_SPEEDUP * fastest_warm
+                    && c.load.tokens as f64 <= queue
+                    && colder
+            })
+            .min_by_key(|&i| ask.cost(&fleet[i]))
+    }
+
     fn saturated(&self, fleet: &[Candidate]) -> bool {
         fleet.iter().all(|c| c.load.tokens as f64 > self.p.tau)
     }
@@ -212,6 +251,9 @@ impl Tokenaware {
         }
         if !gate_breaks(fleet, &w, &self.p) {
             let pick = score_pick(ask, fleet, &w, &self.p, seq)?;
+            if let Some(fast) = self.promote(ask, fleet, &w, pick) {
+                return Some(decide(ask, fleet, fast, Reason::Promote, false, &self.p));
+            }
             return Some(decide(ask, fleet, pick, Reason::Sticky, false, &self.p));
         }
         if self.saturated(fleet) {
@@ -397,6 +439,68 @@ mod tests {
         }
         let agree = |v: &[bool]| v.iter().filter(|&&x| x).count();
         assert!(agree(&limited) > agree(&open), "{limited:?} vs {open:?}");
+    }
+
+    /// A hot prefix (last sent a second ago) warm only on a half-speed endpoint; endpoints 1
+    /// and 2 are learned 2x faster with full caches, 1's victim idle ten minutes, 2's ten
+    /// seconds.
+    fn promotion_fleet() -> Vec<Candidate> {
+        let mut f = fleet(&[(10, 3_000), (0, 0), (0, 0)]);
+        f[0].speed = 0.5;
+        f[0].idle_s = Some(1);
+        for (c, idle) in f[1..].iter_mut().zip([600, 10]) {
+            c.speed = 1.0;
+            c.held = c.capacity;
+            c.victim_idle_s = Some(idle);
+        }
+        f
+    }
+
+    #[test]
+    fn a_hot_prefix_on_a_slow_endpoint_moves_to_a_fast_one_with_a_cold_victim() {
+        let chain = [3u64; 10];
+        let d = ta().pick(&ask(&chain), &promotion_fleet(), 0).unwrap();
+        assert_eq!((d.endpoint, d.reason, d.hit), (1, Reason::Promote, 0.0));
+        // Once the fast endpoint also holds it, the two are warm and the cheaper one serves.
+        let mut f = promotion_fleet();
+        f[1].matched_blocks = 10;
+        let d = ta().pick(&ask(&chain), &f, 0).unwrap();
+        assert_eq!((d.endpoint, d.reason), (1, Reason::Sticky));
+    }
+
+    #[test]
+    fn promotion_needs_a_much_faster_idle_endpoint_and_a_far_colder_victim() {
+        let chain = [3u64; 10];
+        let sticky = |f: &[Candidate]| {
+            let d = ta().pick(&ask(&chain), f, 0).unwrap();
+            (d.endpoint, d.reason)
+        };
+        // The victim was used 150 s ago: not a hundred times the prefix's 2 s.
+        let mut f = promotion_fleet();
+        f[1].victim_idle_s = Some(150);
+        assert_eq!(sticky(&f), (0, Reason::Sticky));
+        // A prompt's eighth queued there already.
+        let mut f = promotion_fleet();
+        f[1].load.tokens = 1_500;
+        assert_eq!(sticky(&f), (0, Reason::Sticky));
+        // Under 1.5x faster than the warm endpoint (rates the same within noise do nothing).
+        let mut f = promotion_fleet();
+        f[0].speed = 0.8;
+        assert_eq!(sticky(&f), (0, Reason::Sticky));
+        // The prefix's own last use there is unknown: no sign it is hot.
+        let mut f = promotion_fleet();
+        f[0].idle_s = None;
+        assert_eq!(sticky(&f), (0, Reason::Sticky));
+        // With room instead of a victim, nothing is evicted: it moves.
+        let mut f = promotion_fleet();
+        f[1].victim_idle_s = Some(150);
+        f[2].victim_idle_s = None;
+        f[2].held = 0;
+        assert_eq!(sticky(&f), (2, Reason::Promote));
+        // Nothing learned (every speed 1): never.
+        let mut f = promotion_fleet();
+        f.iter_mut().for_each(|c| c.speed = 1.0);
+        assert_eq!(sticky(&f), (0, Reason::Sticky));
     }
 
     #[test]

@@ -414,6 +414,7 @@ fn report_decisions(gw: &Gateway, target: &str) {
         "decisions_cold",
         "decisions_all_saturated",
         "decisions_balanced",
+        "decisions_promote",
         "tau_breaks",
     ];
     let seen: Vec<String> = names
