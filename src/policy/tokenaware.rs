@@ -21,7 +21,7 @@
 //! - When every endpoint is past τ, spilling cannot create headroom, it only turns capacity
 //!   into cold fills: stay sticky.
 //! - With learned rates, a hot prefix warm only on slow endpoints is promoted to a much
-//!   faster endpoint with nothing queued whose eviction victim is far colder. Prefixes stay
+//!   faster endpoint with little queued whose eviction victim is far colder. Prefixes stay
 //!   where their first placement put them, before any rate was learned; the hottest ones
 //!   are most of the traffic, and on a half-speed endpoint each of their questions takes
 //!   twice as long.
@@ -207,7 +207,7 @@ impl Tokenaware {
     }
 
     /// A hot prefix whose only warm endpoints are slow, copied to a much faster endpoint
-    /// with nothing queued whose eviction victim is far colder (or with room). Rates learned
+    /// with little queued whose eviction victim is far colder (or with room). Rates learned
     /// after a prefix was first placed do not move it otherwise: every later request finds
     /// it warm where it is. Hotness is read from last use: the prefix's previous request
     /// there against the victim's; once the fast endpoints hold the hottest prefixes, their
