@@ -226,32 +226,38 @@ impl Record {
 
     /// One request's prefill, from dispatch to first byte. The rate: the endpoint had a
     /// prefill pending over the union of such intervals; first bytes arrive in time order,
-    /// so the union grows by the part of this interval past the watermark. Returns whether
-    /// the sample counted (no outlier).
-    fn observe_busy(&mut self, sample: &TtftSample) -> bool {
+    /// so the union grows by the part of this interval past the watermark. `miss` is what
+    /// the prompt prefills if the server had none of it cached. Returns the tokens counted,
+    /// or `None` for an outlier.
+    fn observe_busy(&mut self, sample: &TtftSample, miss: u64) -> Option<u64> {
         let (start, end) = (sample.dispatch_ms as f64, sample.first_byte_ms as f64);
         let busy =
             (end - (start + self.lead_ms(end - start)).max(self.watermark_ms)).max(0.0) / 1000.0;
-        let tokens = sample.uncached as f64;
-        // An outlier: a sample far slower than the rate so far (a stall, a retry, or a hit
-        // the server missed, so it prefilled far more than the index predicted), or far
+        // An outlier: a sample far slower than the rate so far (a stall, a retry), or far
         // faster (a predicted miss the server had cached). Samples finishing in the same
         // instant as another (busy 0) are ordinary in a batch. The first samples are all
         // taken: they replace the prior, which may be far off.
         let yardstick = self.rate();
         let judged = self.total >= MIN_OBSERVATIONS;
-        let outlier = judged
-            && busy > 0.0
-            && (tokens / busy < yardstick / OUTLIER_FACTOR
-                || tokens / busy > yardstick * FAST_OUTLIER_FACTOR);
-        if !outlier {
-            self.tokens = self.tokens * RATE_DECAY + tokens;
-            self.busy_s = (self.busy_s * RATE_DECAY + busy).max(1e-6);
-            // A late outlier must not claim the time after it as busy: the samples behind
-            // it would then look infinitely fast.
-            self.watermark_ms = self.watermark_ms.max(end);
-        }
-        !outlier
+        let ordinary = |tokens: u64| {
+            let r = tokens as f64 / busy;
+            !judged
+                || busy <= 0.0
+                || (yardstick / OUTLIER_FACTOR..=yardstick * FAST_OUTLIER_FACTOR).contains(&r)
+        };
+        // A predicted hit that took a whole prompt's prefill most likely is one the server
+        // had evicted: it counts as a miss (`usage` corrects the tokens later). Left out,
+        // its time would count for the requests queued behind it instead, and an index
+        // that overrates the cache would teach a rate far too low.
+        let tokens = [sample.uncached, miss.max(sample.uncached)]
+            .into_iter()
+            .find(|&t| ordinary(t))?;
+        self.tokens = self.tokens * RATE_DECAY + tokens as f64;
+        self.busy_s = (self.busy_s * RATE_DECAY + busy).max(1e-6);
+        // An outlier never gets here: a late one must not claim the time after it as busy
+        // (the samples behind it would then look infinitely fast).
+        self.watermark_ms = self.watermark_ms.max(end);
+        Some(tokens)
     }
 
     /// The part of a dispatch → first-byte interval that is fixed overhead, not prefill
@@ -343,7 +349,7 @@ impl Record {
     /// Both halves at once, for a sample whose served tokens are known at its first byte.
     #[cfg(test)]
     fn observe(&mut self, sample: &TtftSample) {
-        self.observe_busy(sample);
+        self.observe_busy(sample, sample.uncached);
         self.observe_fit(sample);
     }
 
@@ -492,23 +498,25 @@ impl Estimator {
     /// time the endpoint had a prefill pending is a union of dispatch → first-byte intervals,
     /// which only first bytes in time order can build (a sample held until its stream ends
     /// arrives out of order: a long answer's would count no busy time for all its tokens).
-    /// Returns whether the sample counted towards the rate (it was no outlier); `usage`
-    /// corrects its tokens later ([`Estimator::observe_ttft`]).
+    /// `miss`: the tokens the prompt prefills if nothing was cached. Returns the uncached
+    /// tokens the rate counted (`None`: an outlier); `usage` corrects them later
+    /// ([`Estimator::observe_ttft`]).
     pub fn observe_first_byte<S: SharedStore + ?Sized>(
         &self,
         s: &S,
         slot: u16,
         sample: &TtftSample,
-    ) -> Result<bool, StoreError> {
+        miss: u64,
+    ) -> Result<Option<u64>, StoreError> {
         if sample.first_byte_ms < sample.dispatch_ms {
-            return Ok(false);
+            return Ok(None);
         }
         update(s, &self.key(slot), |old| {
             let mut r = Record::decode(old, self.prior_rate);
-            let counted = r.observe_busy(sample);
+            let counted = r.observe_busy(sample, miss);
             Some((r.encode(), counted))
         })
-        .map(|c| c.unwrap_or(false))
+        .map(Option::flatten)
     }
 
     /// The whole TTFT sample, once `usage` told the tokens the server prefilled (see
@@ -695,9 +703,60 @@ mod tests {
 
     /// A sample whose served tokens are what the index predicted: first byte, then usage.
     fn both_halves(e: &Estimator, s: &MemStore, slot: u16, sample: &TtftSample) {
-        let counted = e.observe_first_byte(s, slot, sample).unwrap();
-        let predicted = counted.then_some(sample.uncached);
-        e.observe_ttft(s, slot, sample, predicted).unwrap();
+        let counted = e
+            .observe_first_byte(s, slot, sample, sample.uncached)
+            .unwrap();
+        e.observe_ttft(s, slot, sample, counted).unwrap();
+    }
+
+    /// An endpoint at 10,000 tok/s serving in order, one request a second: every fifth
+    /// is a hit the index predicted (1,000 uncached tokens) that the server had evicted, so
+    /// it prefills all 20,000, and the request behind it waits. Returns the learned rate's
+    /// error when the first byte knows the whole prompt (`miss`) or only the prediction.
+    fn rate_error_with_evicted_hits(whole_prompt_known: bool) -> f64 {
+        let s = MemStore::new();
+        let e = Estimator::new("t", 10_000.0, 4.0);
+        let mut free_at = 0.0f64;
+        for k in 0..400u64 {
+            let evicted = k % 5 == 4;
+            let (predicted, served) = if evicted {
+                (1_000, 20_000)
+            } else {
+                (5_000, 5_000)
+            };
+            let dispatch = k as f64;
+            let ahead = ((free_at - dispatch).max(0.0) * 10_000.0) as u64;
+            free_at = free_at.max(dispatch) + served as f64 / 10_000.0;
+            let sample = TtftSample {
+                dispatch_ms: k * 1_000,
+                first_byte_ms: (free_at * 1_000.0) as u64,
+                ahead,
+                uncached: predicted,
+                active: 0,
+                kv_usage: 0.0,
+            };
+            let miss = if whole_prompt_known {
+                20_000
+            } else {
+                predicted
+            };
+            let counted = e.observe_first_byte(&s, 1, &sample, miss).unwrap();
+            let served = TtftSample {
+                uncached: served,
+                ..sample
+            };
+            e.observe_ttft(&s, 1, &served, counted).unwrap();
+        }
+        error(&e.read(&s, 1).unwrap(), 10_000.0)
+    }
+
+    #[test]
+    fn a_predicted_hit_the_server_had_evicted_counts_as_a_miss() {
+        let known = rate_error_with_evicted_hits(true);
+        let unknown = rate_error_with_evicted_hits(false);
+        assert!(known < 0.05, "{known} / {unknown}");
+        // Left out as outliers, their prefill time counted for the requests behind them.
+        assert!(unknown > 0.15, "{unknown}");
     }
 
     /// Usage arrives when a stream ends, long answers last: the rate must not depend on
@@ -733,6 +792,7 @@ mod tests {
                     uncached: 5_000,
                     ..a
                 },
+                10_000,
             );
             let counted_b = e.observe_first_byte(
                 &s,
@@ -741,10 +801,11 @@ mod tests {
                     uncached: 5_000,
                     ..b
                 },
+                10_000,
             );
             let (ca, cb) = (counted_a.unwrap(), counted_b.unwrap());
-            e.observe_ttft(&s, 3, &b, cb.then_some(5_000)).unwrap();
-            e.observe_ttft(&s, 3, &a, ca.then_some(5_000)).unwrap();
+            e.observe_ttft(&s, 3, &b, cb).unwrap();
+            e.observe_ttft(&s, 3, &a, ca).unwrap();
         }
         let est = e.read(&s, 3).unwrap();
         assert!(error(&est, 10_000.0) < 0.05, "{est:?}");
@@ -937,7 +998,7 @@ mod tests {
             both_halves(&e, &s, 1, &sample);
         }
         sample.first_byte_ms = 0; // before its dispatch: ignored
-        assert_eq!(e.observe_first_byte(&s, 1, &sample), Ok(false));
+        assert_eq!(e.observe_first_byte(&s, 1, &sample, 1_000), Ok(None));
         e.observe_ttft(&s, 1, &sample, None).unwrap();
         let est = e.read(&s, 1).unwrap();
         assert!(!est.learned);

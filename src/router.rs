@@ -64,8 +64,9 @@ pub struct Routed {
     /// The TTFT sample, held from the first byte until `usage` says how many prompt tokens
     /// the server really had to prefill (or the request ends without it).
     pending_ttft: Option<TtftSample>,
-    /// The uncached tokens the rate counted at the first byte (the index's prediction),
-    /// when it counted the sample: `usage` corrects them.
+    /// The uncached tokens the rate counted at the first byte (the index's prediction, or
+    /// the whole prompt when the time said a miss), when it counted the sample: `usage`
+    /// corrects them.
     rate_counted: Option<u64>,
 }
 
@@ -449,27 +450,29 @@ impl Router {
             kv_usage: r.kv_usage,
         };
         r.pending_ttft = Some(sample);
-        let counted = self.estimator.observe_first_byte(s, r.charge.slot, &sample);
-        r.rate_counted = counted
-            .as_ref()
-            .is_ok_and(|c| *c)
-            .then_some(sample.uncached);
+        let counted = self
+            .estimator
+            .observe_first_byte(s, r.charge.slot, &sample, r.tokens);
+        r.rate_counted = counted.as_ref().ok().copied().flatten();
         released.and(counted.map(|_| ()).map_err(FirstByteError::Estimate))
     }
 
     /// The held TTFT sample, with the tokens the server prefilled when `usage` told them
-    /// (prompt − cached), else the index's prediction (a hit the index predicted but the
-    /// server had evicted would otherwise teach a rate far too low), and the uncached tokens
-    /// the rate counted at the first byte. Taken once.
+    /// (prompt − cached), else the ones the rate counted, else the index's prediction (a
+    /// hit the index predicted but the server had evicted would otherwise teach a rate far
+    /// too low), and the uncached tokens the rate counted at the first byte. Taken once.
     fn take_ttft(
         r: &mut Routed,
         served_uncached: Option<u64>,
     ) -> Option<(TtftSample, Option<u64>)> {
         let mut sample = r.pending_ttft.take()?;
-        if let Some(u) = served_uncached {
+        let counted = r.rate_counted.take();
+        // Without usage, the tokens the rate counted stand (a predicted hit counted as a
+        // miss stays one).
+        if let Some(u) = served_uncached.or(counted) {
             sample.uncached = u;
         }
-        Some((sample, r.rate_counted.take()))
+        Some((sample, counted))
     }
 
     /// `usage` of the answer: the served prompt tokens (against `prompt_bytes` of canonical
@@ -755,6 +758,40 @@ mod tests {
                 false => self.0.set(key, value, cas),
             }
         }
+    }
+
+    #[test]
+    fn a_predicted_hit_that_took_a_whole_prefill_counts_as_one_without_usage() {
+        // One endpoint, cold prompts of 10,000 tokens each answered after a prefill at the
+        // prior rate; then the last prompt again, which the index predicts cached, answered
+        // after a whole prefill and ending with no `usage`: it counts as a miss at its first
+        // byte, the count stands when the stream ends, and the rate holds.
+        let (mut r, mut t, s) = router(r#","peakPrefillThroughput":"auto""#);
+        t.endpoints.truncate(1);
+        let prior = r.estimator.read(&s, 0).unwrap().rate;
+        let prefill_ms = (10_000.0 / prior * 1_000.0) as u64;
+        let chains: Vec<_> = (0..12u64)
+            .map(|i| r.hash(&chat(&i.to_string().repeat(40_000), "q")))
+            .collect();
+        let mut now = 0;
+        for chain in &chains {
+            let mut cold = r.route(&s, &t.endpoints, chain, 10_000, now).unwrap();
+            r.first_byte(&s, &mut cold, now + prefill_ms).unwrap();
+            r.observe_usage(&s, &mut cold, "m", 40_000, 10_000, Some(0))
+                .unwrap();
+            r.finish(&s, &mut cold, Outcome::Done).unwrap();
+            now += 2 * prefill_ms;
+        }
+        let mut again = r.route(&s, &t.endpoints, &chains[11], 10_000, now).unwrap();
+        assert!(again.uncached < again.tokens / 2, "a predicted hit");
+        r.first_byte(&s, &mut again, now + prefill_ms).unwrap();
+        assert_eq!(again.rate_counted, Some(again.tokens));
+        r.finish(&s, &mut again, Outcome::Done).unwrap();
+        let rate = r.estimator.read(&s, 0).unwrap().rate;
+        assert!(
+            (rate - prior).abs() / prior < 0.02,
+            "{rate} against {prior}"
+        );
     }
 
     #[test]

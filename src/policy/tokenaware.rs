@@ -216,19 +216,23 @@ impl Tokenaware {
         let idle = fleet.get(pick)?.idle_s?;
         let fastest_warm = w.iter().map(|&i| fleet[i].speed()).fold(0.0, f64::max);
         let queue = ask.tokens as f64 * PROMOTE_QUEUE;
+        // Speed first: without learned rates no endpoint passes it, and the sticky
+        // decision pays for nothing else.
         (0..fleet.len())
+            .filter(|&i| fleet[i].speed() >= PROMOTE_SPEEDUP * fastest_warm)
             .filter(|i| !w.contains(i))
-            .filter(|&i| {
-                let c = &fleet[i];
-                let colder = match c.victim_idle_s {
-                    Some(v) => v >= PROMOTE_HOTTER.saturating_mul(idle.saturating_add(1)),
-                    None => c.held.saturating_add(ask.chain.len() as u64) <= c.capacity,
-                };
-                c.speed() >= PROMOTE_SPEEDUP * fastest_warm
-                    && c.load.tokens as f64 <= queue
-                    && colder
-            })
+            .filter(|&i| fleet[i].load.tokens as f64 <= queue)
+            .filter(|&i| Self::colder_victim(ask, &fleet[i], idle))
             .min_by_key(|&i| ask.cost(&fleet[i]))
+    }
+
+    /// Whether the prompt fits in the endpoint's free room, or what it would evict has been
+    /// idle `PROMOTE_HOTTER` times longer than the prefix's last gap `idle`.
+    fn colder_victim(ask: &Ask, c: &Candidate, idle: u32) -> bool {
+        match c.victim_idle_s {
+            Some(v) => v >= PROMOTE_HOTTER.saturating_mul(idle.saturating_add(1)),
+            None => c.held.saturating_add(ask.chain.len() as u64) <= c.capacity,
+        }
     }
 
     fn saturated(&self, fleet: &[Candidate]) -> bool {
