@@ -111,6 +111,19 @@ struct Args {
     /// and the prefix cache keeps only what the running requests leave (as in vLLM).
     #[arg(long)]
     mixed: bool,
+    /// The KV pool of `--mixed` for the prefix groups alone, with the benchmark fleet's
+    /// admission (vLLM's): waiting requests are admitted while their blocks fit, each looks up
+    /// the cache when admitted, and a prefix it must prefill is held beside the cache until
+    /// its prefill ends (prefills then run oldest first). Requests admitted while their prefix
+    /// is being refilled miss it too. With `--output-tokens 16` it is the benchmark's seed-sim.
+    #[arg(long)]
+    pool: bool,
+    /// Seconds of arrivals at `--warmup-rate` before the run's rate (the benchmark's ladder
+    /// warms the caches at 2 req/s first); the figures count every request.
+    #[arg(long, default_value_t = 0.0)]
+    warmup: f64,
+    #[arg(long, default_value_t = 2.0)]
+    warmup_rate: f64,
     /// Requests per phase of `--mixed`.
     #[arg(long, default_value_t = 32)]
     mix_phase: usize,
@@ -138,6 +151,11 @@ impl Args {
     /// The router is configured by R_peak and T_max rather than by τ.
     fn operator_config(&self) -> bool {
         self.router_prefill_rate.is_some() || self.learn == "on" || self.ttft_source == "latency"
+    }
+
+    /// Running requests hold KV in a pool they share with the prefix cache.
+    fn pooled(&self) -> bool {
+        self.mixed || self.pool
     }
 
     fn endpoint_rate(&self, e: usize) -> f64 {
@@ -175,6 +193,11 @@ struct Outcomes {
 #[derive(Default)]
 struct Server {
     queue: VecDeque<usize>,
+    /// With `--pool`: admitted requests waiting for their prefill, oldest first, and the
+    /// cache in tokens per prefix, most recent first (a prefix loses its tail first, as
+    /// vLLM's blocks do).
+    admitted: VecDeque<usize>,
+    held_prefixes: VecDeque<(usize, u64)>,
     busy: bool,
     cache: VecDeque<usize>,
     /// KV tokens held by running requests (their own tokens and outputs), and how many run.
@@ -204,7 +227,8 @@ struct Request {
     endpoint: usize,
     /// Its prefix was in the endpoint's cache when its prefill started.
     hit: bool,
-    /// A reasoning request's tokens of the shared system prompt found cached.
+    /// Tokens of its shared prefix found cached: a reasoning request's system prompt, or
+    /// with `--pool` a group's prefix (whole or in part).
     shared_cached: u64,
 }
 
@@ -244,8 +268,9 @@ fn workload(a: &Args, cfg: &Config, rate: f64, seed: u64) -> Workload {
     let mut t = 0.0;
     let mut arrivals = Vec::new();
     loop {
-        t += -(1.0 - rng.gen::<f64>()).ln() / rate;
-        if t >= a.duration {
+        let now_rate = if t < a.warmup { a.warmup_rate } else { rate };
+        t += -(1.0 - rng.gen::<f64>()).ln() / now_rate;
+        if t >= a.warmup + a.duration {
             break;
         }
         let u: f64 = rng.gen();
@@ -293,7 +318,7 @@ fn workload(a: &Args, cfg: &Config, rate: f64, seed: u64) -> Workload {
 /// Prompt tokens, tokens the request holds in KV besides a shared prefix (with --mixed), and
 /// output tokens.
 fn shape(a: &Args, kind: Kind) -> (u64, u64, u64) {
-    match (kind, a.mixed) {
+    match (kind, a.pooled()) {
         (Kind::Group(_), false) => (a.prefix_tokens + a.question_tokens, 0, 0),
         (Kind::Group(_), true) => (
             a.prefix_tokens + a.question_tokens,
@@ -413,7 +438,7 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
                     }
                 };
                 let chain = h.finish();
-                if a.mixed {
+                if a.pooled() {
                     scrape(&mut table, &servers, kv_tokens(a), now_ms);
                 }
                 let Ok(routed) = router.route(&store, &table.endpoints, &chain, tokens, now_ms)
@@ -443,8 +468,12 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
                 }
                 out.last_done = now;
                 let e = reqs[i].endpoint;
+                if let (true, false, Kind::Group(g)) = (a.pool, reqs[i].hit, reqs[i].kind) {
+                    prefix_computed(a, &mut servers[e], g, reqs[i].shared_cached);
+                }
                 let (tokens, _, output) = shape(a, reqs[i].kind);
                 let cached = match reqs[i].kind {
+                    Kind::Group(_) if a.pool => reqs[i].shared_cached,
                     Kind::Group(_) if reqs[i].hit => a.prefix_tokens,
                     Kind::Group(_) => 0,
                     Kind::Reasoning => reqs[i].shared_cached,
@@ -516,6 +545,9 @@ fn start_next(
     out: &mut Outcomes,
     now: f64,
 ) {
+    if a.pool {
+        return start_pooled(a, s, reqs, events, out, now);
+    }
     if s.busy {
         return;
     }
@@ -526,7 +558,7 @@ fn start_next(
         Kind::Group(_) => a.prefix_tokens,
         Kind::Reasoning => 0,
     };
-    if a.mixed && s.running > 0 && s.held + held + prefix > pool {
+    if a.pooled() && s.running > 0 && s.held + held + prefix > pool {
         return;
     }
     s.queue.pop_front();
@@ -568,6 +600,85 @@ fn start_next(
         Time(now + work as f64 / a.endpoint_rate(reqs[i].endpoint)),
         Event::PrefillDone(i),
     )));
+}
+
+/// `--pool`: admits waiting requests while the pool has room for what they hold beside the
+/// cache (a request alone runs anyway), each looking up the cache as it is admitted, then
+/// starts the oldest admitted prefill.
+fn start_pooled(
+    a: &Args,
+    s: &mut Server,
+    reqs: &mut [Request],
+    events: &mut BinaryHeap<Reverse<(Time, Event)>>,
+    out: &mut Outcomes,
+    now: f64,
+) {
+    let pool = kv_tokens(a);
+    while let Some(&i) = s.queue.front() {
+        let (_, held, _) = shape(a, reqs[i].kind);
+        let cached = match reqs[i].kind {
+            Kind::Group(g) => s.held_prefixes.iter().find(|x| x.0 == g).map_or(0, |x| x.1),
+            Kind::Reasoning => 0,
+        };
+        let beside = match reqs[i].kind {
+            Kind::Group(_) => held + a.prefix_tokens - cached,
+            Kind::Reasoning => held,
+        };
+        if s.running > 0 && s.held + beside > pool {
+            break;
+        }
+        s.queue.pop_front();
+        s.held += beside;
+        s.running += 1;
+        if let Kind::Group(g) = reqs[i].kind {
+            // A use moves what is cached of the prefix to the front.
+            if let Some(pos) = s.held_prefixes.iter().position(|x| x.0 == g) {
+                s.held_prefixes.remove(pos);
+                s.held_prefixes.push_front((g, cached));
+            }
+            out.hits += u64::from(cached == a.prefix_tokens);
+        }
+        trim(&mut s.held_prefixes, pool.saturating_sub(s.held));
+        reqs[i].hit = cached == a.prefix_tokens;
+        reqs[i].shared_cached = cached;
+        s.admitted.push_back(i);
+    }
+    if s.busy {
+        return;
+    }
+    let Some(i) = s.admitted.pop_front() else {
+        return;
+    };
+    let work = match reqs[i].kind {
+        Kind::Group(_) => a.question_tokens + a.prefix_tokens - reqs[i].shared_cached,
+        Kind::Reasoning => a.reasoning_prompt_tokens,
+    };
+    s.busy = true;
+    events.push(Reverse((
+        Time(now + work as f64 / a.endpoint_rate(reqs[i].endpoint)),
+        Event::PrefillDone(i),
+    )));
+}
+
+/// `--pool`: a prefill of prefix `g`, of which `cached` tokens were found cached, ended;
+/// the blocks it computed join the cache.
+fn prefix_computed(a: &Args, s: &mut Server, g: usize, cached: u64) {
+    s.held = s.held.saturating_sub(a.prefix_tokens - cached);
+    s.held_prefixes.retain(|x| x.0 != g);
+    s.held_prefixes.push_front((g, a.prefix_tokens));
+    let room = kv_tokens(a).saturating_sub(s.held).max(a.prefix_tokens);
+    trim(&mut s.held_prefixes, room);
+}
+
+/// Keeps `room` tokens of cached prefixes, most recent first; the one at the edge keeps its
+/// head.
+fn trim(prefixes: &mut VecDeque<(usize, u64)>, room: u64) {
+    let mut left = room;
+    prefixes.retain_mut(|x| {
+        x.1 = x.1.min(left);
+        left -= x.1;
+        x.1 > 0
+    });
 }
 
 #[derive(Clone, Copy)]
