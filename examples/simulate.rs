@@ -118,6 +118,11 @@ struct Args {
     /// is being refilled miss it too. With `--output-tokens 16` it is the benchmark's seed-sim.
     #[arg(long)]
     pool: bool,
+    /// With `--pool`: a prefill's blocks join the cache as they are scheduled, as vLLM v1
+    /// caches them (`allocate_slots`), rather than when it ends, as the benchmark's fleet
+    /// does; a request admitted during its prefix's cold fill finds what was computed so far.
+    #[arg(long)]
+    cache_scheduled: bool,
     /// Seconds of arrivals at `--warmup-rate` before the run's rate (the benchmark's ladder
     /// warms the caches at 2 req/s first); the figures count every request.
     #[arg(long, default_value_t = 0.0)]
@@ -198,6 +203,9 @@ struct Server {
     /// vLLM's blocks do).
     admitted: VecDeque<usize>,
     held_prefixes: VecDeque<(usize, u64)>,
+    /// With `--pool`: the prefill running, its group's prefix tokens cached at its start,
+    /// and the time it started.
+    prefilling: Option<(usize, u64, f64)>,
     busy: bool,
     cache: VecDeque<usize>,
     /// KV tokens held by running requests (their own tokens and outputs), and how many run.
@@ -493,6 +501,7 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
                 let done = now + output as f64 * a.tpot_ms / 1000.0;
                 events.push(Reverse((Time(done), Event::DecodeDone(i))));
                 servers[e].busy = false;
+                servers[e].prefilling = None;
                 start_next(a, &mut servers[e], &mut reqs, &mut events, &mut out, now);
             }
             Event::DecodeDone(i) => {
@@ -617,7 +626,12 @@ fn start_pooled(
     while let Some(&i) = s.queue.front() {
         let (_, held, _) = shape(a, reqs[i].kind);
         let cached = match reqs[i].kind {
-            Kind::Group(g) => s.held_prefixes.iter().find(|x| x.0 == g).map_or(0, |x| x.1),
+            Kind::Group(g) => s
+                .held_prefixes
+                .iter()
+                .find(|x| x.0 == g)
+                .map_or(0, |x| x.1)
+                .max(scheduled(a, s, reqs, g, now)),
             Kind::Reasoning => 0,
         };
         let beside = match reqs[i].kind {
@@ -654,10 +668,26 @@ fn start_pooled(
         Kind::Reasoning => a.reasoning_prompt_tokens,
     };
     s.busy = true;
+    s.prefilling = Some((i, reqs[i].shared_cached, now));
     events.push(Reverse((
         Time(now + work as f64 / a.endpoint_rate(reqs[i].endpoint)),
         Event::PrefillDone(i),
     )));
+}
+
+/// `--pool --cache-scheduled`: prefix tokens of group `g` the running prefill has computed
+/// by `now` (whole engine steps of 8,192 tokens are scheduled at once; 0 for another group).
+fn scheduled(a: &Args, s: &Server, reqs: &[Request], g: usize, now: f64) -> u64 {
+    let Some((i, from, start)) = s.prefilling.filter(|_| a.cache_scheduled) else {
+        return 0;
+    };
+    if reqs[i].kind != Kind::Group(g) {
+        return 0;
+    }
+    const STEP: u64 = 8_192;
+    let done = ((now - start).max(0.0) * a.endpoint_rate(reqs[i].endpoint)) as u64;
+    let scheduled = (done / STEP + 1) * STEP;
+    (from + scheduled).min(a.prefix_tokens)
 }
 
 /// `--pool`: a prefill of prefix `g`, of which `cached` tokens were found cached, ended;

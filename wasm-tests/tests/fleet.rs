@@ -380,3 +380,48 @@ async fn running_requests_hold_the_kv_pool() {
     ttft(&c, &url, "q", 191).await;
     assert_eq!(cached(&ttft(&c, &url, &prompt, 1).await.1), 0);
 }
+
+/// As in vLLM v1, a prompt's blocks join the cache as their chunks are scheduled: a request
+/// for the same prefix admitted during its cold fill finds the chunks scheduled so far, not
+/// nothing (and not the whole prefix, which is not computed yet).
+#[tokio::test]
+async fn a_request_admitted_during_a_cold_fill_finds_the_chunks_scheduled_so_far() {
+    // Half speed: 55,000 tokens prefill in 1.34 s of wall time, in steps of 8,192 tokens
+    // (0.2 s each).
+    let (_f, url) = one_endpoint(Timing {
+        time_factor: 0.5,
+        ..Default::default()
+    });
+    let c = client();
+    let body = json!({"model": "sim-model", "prompt": "B".repeat(220_000), "max_tokens": 1});
+    let first = {
+        let (c, url, body) = (c.clone(), url.clone(), body.clone());
+        tokio::spawn(async move {
+            let v: Value = c.post(url).json(&body).send().await?.json().await?;
+            Ok::<_, reqwest::Error>((v, Instant::now()))
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let sent = Instant::now();
+    let second: Value = c
+        .post(&url)
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let (first, first_done) = first.await.unwrap().unwrap();
+    let cached = |v: &Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    assert_eq!(cached(&first), Some(0));
+    assert!(
+        first_done > sent,
+        "the first prefill ended before the second was sent"
+    );
+    let part = cached(&second).unwrap_or(0);
+    assert!(
+        (8_192..54_992).contains(&part),
+        "cached {part} of 55,000 tokens"
+    );
+}

@@ -16,8 +16,10 @@
 //! (vLLM admits waiting requests at every engine step).
 //!
 //! The prefix cache is looked up when a request is admitted (at least one prompt token is
-//! always computed, as in vLLM) and filled when its prefill completes; the first output
-//! token comes with the end of prefill, each further one from decode steps.
+//! always computed, as in vLLM). A prompt's full blocks join it as their chunks are
+//! scheduled, as vLLM v1 caches them when it allocates their slots, so a request admitted
+//! during a cold fill of its prefix finds the chunks scheduled so far; the first output token
+//! comes with the end of prefill, each further one from decode steps.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -84,14 +86,25 @@ impl Seq {
 
     /// Blocks of the pool this request holds outside the prefix cache: its whole output
     /// (reserved at admission: the fleet knows it, vLLM would preempt instead) and, until
-    /// its prefill completes and the prompt joins the cache, its uncached prompt blocks.
+    /// its prefill completes, the prompt blocks not in the cache (neither found there nor
+    /// scheduled yet).
     fn reserved_blocks(&self, cached: usize) -> usize {
         let prompt = if self.decoding() {
             0
         } else {
-            self.tokens.saturating_sub(cached)
+            self.tokens
+                .saturating_sub(cached.max(self.scheduled_tokens()))
         };
         (prompt + self.max_tokens).div_ceil(BLOCK_TOKENS)
+    }
+
+    /// Full blocks of the prompt scheduled so far.
+    fn scheduled_blocks(&self) -> usize {
+        (self.computed / BLOCK_TOKENS).min(self.hashes.len())
+    }
+
+    fn scheduled_tokens(&self) -> usize {
+        self.scheduled_blocks() * BLOCK_TOKENS
     }
 }
 
@@ -223,6 +236,7 @@ async fn run(ep: Arc<Endpoint>) {
                 let n_decode = q.running.iter().filter(|s| s.decoding()).count();
                 let mut budget = prefill_budget(&t, n_decode);
                 let mut prefill = 0;
+                let mut chunked = 0;
                 for s in q.running.iter_mut().filter(|s| !s.decoding()) {
                     if budget == 0 {
                         break;
@@ -231,6 +245,15 @@ async fn run(ep: Arc<Endpoint>) {
                     s.computed += take;
                     budget -= take;
                     prefill += take;
+                    chunked += 1;
+                }
+                // Scheduled blocks join the cache and no longer count as reserved: first the
+                // room they leave, then the blocks (each prompt's whole span again, so its
+                // head stays newest).
+                let mut cache = lock(&ep.cache);
+                cache.set_limit(pool.saturating_sub(reserved(&q.running)));
+                for s in q.running.iter().filter(|s| !s.decoding()).take(chunked) {
+                    cache.insert(&s.hashes[..s.scheduled_blocks()]);
                 }
                 Some((prefill, n_decode))
             }
