@@ -236,24 +236,27 @@ async fn run(ep: Arc<Endpoint>) {
                 let n_decode = q.running.iter().filter(|s| s.decoding()).count();
                 let mut budget = prefill_budget(&t, n_decode);
                 let mut prefill = 0;
-                let mut chunked = 0;
+                let mut spans = Vec::new();
                 for s in q.running.iter_mut().filter(|s| !s.decoding()) {
                     if budget == 0 {
                         break;
                     }
+                    let before = s.scheduled_blocks();
                     let take = budget.min(s.tokens - s.computed);
                     s.computed += take;
                     budget -= take;
                     prefill += take;
-                    chunked += 1;
+                    spans.push(before..s.scheduled_blocks());
                 }
                 // Scheduled blocks join the cache and no longer count as reserved: first the
-                // room they leave, then the blocks (each prompt's whole span again, so its
-                // head stays newest).
+                // room they leave, then the blocks. Only the new ones: a 10 MB prompt has
+                // 160,000 blocks. vLLM pins them while the request runs; here they are the
+                // newest, and the whole prompt is stamped again, head newest, when it ends.
                 let mut cache = lock(&ep.cache);
                 cache.set_limit(pool.saturating_sub(reserved(&q.running)));
-                for s in q.running.iter().filter(|s| !s.decoding()).take(chunked) {
-                    cache.insert(&s.hashes[..s.scheduled_blocks()]);
+                let prefilling = q.running.iter().filter(|s| !s.decoding());
+                for (s, span) in prefilling.zip(spans) {
+                    cache.insert(&s.hashes[span]);
                 }
                 Some((prefill, n_decode))
             }
