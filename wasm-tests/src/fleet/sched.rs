@@ -241,7 +241,12 @@ async fn run(ep: Arc<Endpoint>) {
                     if budget == 0 {
                         break;
                     }
-                    let before = s.scheduled_blocks();
+                    // Its first chunk also touches the blocks it found cached, which vLLM
+                    // pins while the request runs.
+                    let before = match s.computed == s.cached {
+                        true => 0,
+                        false => s.scheduled_blocks(),
+                    };
                     let take = budget.min(s.tokens - s.computed);
                     s.computed += take;
                     budget -= take;
@@ -249,9 +254,9 @@ async fn run(ep: Arc<Endpoint>) {
                     spans.push(before..s.scheduled_blocks());
                 }
                 // Scheduled blocks join the cache and no longer count as reserved: first the
-                // room they leave, then the blocks. Only the new ones: a 10 MB prompt has
-                // 160,000 blocks. vLLM pins them while the request runs; here they are the
-                // newest, and the whole prompt is stamped again, head newest, when it ends.
+                // room they leave, then the blocks. Only the new ones (a 10 MB prompt has
+                // 160,000 blocks): vLLM pins them while the request runs, here they are the
+                // newest; the whole prompt is stamped again, head newest, when it ends.
                 let mut cache = lock(&ep.cache);
                 cache.set_limit(pool.saturating_sub(reserved(&q.running)));
                 let prefilling = q.running.iter().filter(|s| !s.decoding());
