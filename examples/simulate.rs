@@ -203,9 +203,8 @@ struct Server {
     /// vLLM's blocks do).
     admitted: VecDeque<usize>,
     held_prefixes: VecDeque<(usize, u64)>,
-    /// With `--pool`: the prefill running, its group's prefix tokens cached at its start,
-    /// and the time it started.
-    prefilling: Option<(usize, u64, f64)>,
+    /// With `--pool`: the prefill running and the time it started.
+    prefilling: Option<(usize, f64)>,
     busy: bool,
     cache: VecDeque<usize>,
     /// KV tokens held by running requests (their own tokens and outputs), and how many run.
@@ -233,7 +232,8 @@ struct Request {
     kind: Kind,
     routed: Option<Routed>,
     endpoint: usize,
-    /// Its prefix was in the endpoint's cache when its prefill started.
+    /// Its prefix was in the endpoint's cache when its prefill started (with `--pool`: when
+    /// it was admitted).
     hit: bool,
     /// Tokens of its shared prefix found cached: a reasoning request's system prompt, or
     /// with `--pool` a group's prefix (whole or in part).
@@ -668,7 +668,7 @@ fn start_pooled(
         Kind::Reasoning => a.reasoning_prompt_tokens,
     };
     s.busy = true;
-    s.prefilling = Some((i, reqs[i].shared_cached, now));
+    s.prefilling = Some((i, now));
     events.push(Reverse((
         Time(now + work as f64 / a.endpoint_rate(reqs[i].endpoint)),
         Event::PrefillDone(i),
@@ -678,7 +678,7 @@ fn start_pooled(
 /// `--pool --cache-scheduled`: prefix tokens of group `g` the running prefill has computed
 /// by `now` (whole engine steps of 8,192 tokens are scheduled at once; 0 for another group).
 fn scheduled(a: &Args, s: &Server, reqs: &[Request], g: usize, now: f64) -> u64 {
-    let Some((i, from, start)) = s.prefilling.filter(|_| a.cache_scheduled) else {
+    let Some((i, start)) = s.prefilling.filter(|_| a.cache_scheduled) else {
         return 0;
     };
     if reqs[i].kind != Kind::Group(g) {
@@ -687,7 +687,7 @@ fn scheduled(a: &Args, s: &Server, reqs: &[Request], g: usize, now: f64) -> u64 
     const STEP: u64 = 8_192;
     let done = ((now - start).max(0.0) * a.endpoint_rate(reqs[i].endpoint)) as u64;
     let scheduled = (done / STEP + 1) * STEP;
-    (from + scheduled).min(a.prefix_tokens)
+    (reqs[i].shared_cached + scheduled).min(a.prefix_tokens)
 }
 
 /// `--pool`: a prefill of prefix `g`, of which `cached` tokens were found cached, ended;
