@@ -119,8 +119,9 @@ struct Args {
     #[arg(long)]
     pool: bool,
     /// With `--pool`: a prefill's blocks join the cache as they are scheduled, as vLLM v1
-    /// caches them (`allocate_slots`), rather than when it ends, as the benchmark's fleet
-    /// does; a request admitted during its prefix's cold fill finds what was computed so far.
+    /// caches them (`allocate_slots`) and the benchmark's fleet does since 496a5f6, rather
+    /// than when it ends; a request admitted during its prefix's cold fill finds what was
+    /// computed so far.
     #[arg(long)]
     cache_scheduled: bool,
     /// Seconds of arrivals at `--warmup-rate` before the run's rate (the benchmark's ladder
@@ -150,6 +151,10 @@ struct Args {
     /// `--ttft-source latency`, else max-score.
     #[arg(long, value_parser = ["max-score", "weighted-random"])]
     picker: Option<String>,
+    /// After each run, one line per endpoint on stderr: its speed, requests, TTFT median
+    /// and p90, requests that missed their prefix, and its busiest prefix groups.
+    #[arg(long)]
+    per_endpoint: bool,
 }
 
 impl Args {
@@ -238,6 +243,8 @@ struct Request {
     /// Tokens of its shared prefix found cached: a reasoning request's system prompt, or
     /// with `--pool` a group's prefix (whole or in part).
     shared_cached: u64,
+    /// Arrival to first token, once prefilled.
+    ttft: Option<f64>,
 }
 
 /// Events ordered by time (then sequence, for determinism).
@@ -416,6 +423,7 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
             endpoint: 0,
             hit: false,
             shared_cached: 0,
+            ttft: None,
         });
         events.push(Reverse((Time(t), Event::Arrival(i))));
     }
@@ -471,6 +479,7 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
             }
             Event::PrefillDone(i) => {
                 out.ttft.push(now - reqs[i].arrival);
+                reqs[i].ttft = Some(now - reqs[i].arrival);
                 if reqs[i].kind == Kind::Reasoning {
                     out.reasoning_ttft.push(now - reqs[i].arrival);
                 }
@@ -517,6 +526,9 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
             }
         }
     }
+    if a.per_endpoint {
+        print_endpoints(a, &reqs);
+    }
     out.rate_err_end = table
         .endpoints
         .iter()
@@ -527,6 +539,40 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
         })
         .collect();
     out
+}
+
+/// `--per-endpoint`: where the requests went and how they fared there.
+fn print_endpoints(a: &Args, reqs: &[Request]) {
+    for e in 0..a.endpoints {
+        let mine: Vec<&Request> = reqs
+            .iter()
+            .filter(|r| r.routed.is_some() || r.ttft.is_some())
+            .filter(|r| r.endpoint == e)
+            .collect();
+        let mut ttft: Vec<f64> = mine.iter().filter_map(|r| r.ttft).collect();
+        ttft.sort_by(f64::total_cmp);
+        let missed = mine.iter().filter(|r| !r.hit).count();
+        let mut groups: Vec<(usize, usize)> = Vec::new();
+        for r in &mine {
+            if let Kind::Group(g) = r.kind {
+                match groups.iter_mut().find(|x| x.0 == g) {
+                    Some(x) => x.1 += 1,
+                    None => groups.push((g, 1)),
+                }
+            }
+        }
+        groups.sort_by_key(|x| std::cmp::Reverse(x.1));
+        groups.truncate(8);
+        let groups: Vec<String> = groups.iter().map(|(g, n)| format!("g{g}:{n}")).collect();
+        eprintln!(
+            "endpoint {e} ({:.0} tok/s): {} requests, TTFT p50 {:.2} s p90 {:.2} s, {missed} missed, {}",
+            a.endpoint_rate(e),
+            mine.len(),
+            quantile(&ttft, 0.5),
+            quantile(&ttft, 0.9),
+            groups.join(" ")
+        );
+    }
 }
 
 /// What the router would read from the servers' metrics at `now_ms`: the share of each
