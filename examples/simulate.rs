@@ -152,7 +152,8 @@ struct Args {
     #[arg(long, value_parser = ["max-score", "weighted-random"])]
     picker: Option<String>,
     /// After each run, one line per endpoint on stderr: its speed, requests, TTFT median
-    /// and p90, requests that missed their prefix, and its busiest prefix groups.
+    /// and p90, prefix-group requests that missed their prefix (with `--pool`: did not find
+    /// it whole), and its busiest prefix groups.
     #[arg(long)]
     per_endpoint: bool,
 }
@@ -551,7 +552,11 @@ fn print_endpoints(a: &Args, reqs: &[Request]) {
             .collect();
         let mut ttft: Vec<f64> = mine.iter().filter_map(|r| r.ttft).collect();
         ttft.sort_by(f64::total_cmp);
-        let missed = mine.iter().filter(|r| !r.hit).count();
+        // Reasoning requests have no group prefix to miss.
+        let missed = mine
+            .iter()
+            .filter(|r| matches!(r.kind, Kind::Group(_)) && !r.hit)
+            .count();
         let mut groups: Vec<(usize, usize)> = Vec::new();
         for r in &mine {
             if let Kind::Group(g) = r.kind {
