@@ -63,9 +63,12 @@ const MIN_CAPACITY_SHARE: f64 = 1.0 / 16.0;
 /// prediction.
 const MISS_STEP: f64 = 0.5;
 const HELD_STEP: f64 = 0.01;
+/// The deepest recent held prediction fades by this factor per cache check (to 37 % in a
+/// thousand checks), so a cache that really shrank is believed again.
+const HOLD_MEMORY: f64 = 0.999;
 const MODEL_KEYS: u64 = 64;
 
-const FIELDS: usize = 17;
+const FIELDS: usize = 18;
 const RECORD: usize = FIELDS * 8;
 
 /// What the estimator believes about one endpoint.
@@ -125,6 +128,9 @@ struct Record {
     /// overhead the rate's busy time leaves out ([`Record::lead_ms`]); the overhead fit
     /// cannot give it, since it takes the rate as known (any overhead fits some rate).
     lead: [f64; 5],
+    /// Depth (share of the configured capacity) of the deepest held prediction, fading
+    /// by [`HOLD_MEMORY`] per check.
+    deepest_hold: f64,
 }
 
 impl Record {
@@ -142,6 +148,7 @@ impl Record {
             capacity_share: 1.0,
             checks_and_misses: (0, 0),
             lead: [0.0; 5],
+            deepest_hold: 0.0,
         }
     }
 
@@ -154,7 +161,8 @@ impl Record {
             a.copy_from_slice(&b[i * 8..i * 8 + 8]);
             f64::from_le_bytes(a)
         };
-        let packed = f(FIELDS - 1).to_bits();
+        // Field 16: the capacity share, checks and misses, packed (see `encode`).
+        let packed = f(16).to_bits();
         let (hi, misses) = ((packed >> 32) as u32, packed as u32);
         let r = Record {
             tokens: f(0),
@@ -168,6 +176,7 @@ impl Record {
             capacity_share: (f64::from(hi & 0xFFFF) / 65_535.0).clamp(MIN_CAPACITY_SHARE, 1.0),
             checks_and_misses: (hi >> 16, misses),
             lead: [f(11), f(12), f(13), f(14), f(15)],
+            deepest_hold: f(17),
         };
         let numbers = [
             r.tokens,
@@ -179,6 +188,7 @@ impl Record {
             r.p[1],
             r.p[2],
             r.scale,
+            r.deepest_hold,
         ];
         if numbers.iter().chain(&r.lead).all(|x| x.is_finite()) && r.busy_s > 0.0 {
             r
@@ -210,6 +220,7 @@ impl Record {
             self.lead[3],
             self.lead[4],
             f64::from_bits(packed),
+            self.deepest_hold,
         ];
         all.iter().flat_map(|x| x.to_le_bytes()).collect()
     }
@@ -309,12 +320,15 @@ impl Record {
 
     /// Moves the capacity share by a cache check; returns the new share when it changed.
     /// `depth` is the predicted prefix's LRU stack distance on the endpoint as a share of
-    /// its configured capacity. A miss at that depth says the server keeps less than it:
-    /// the share moves halfway there, never below (a miss cannot say by how much less, and
-    /// lowering the share further would forget prefixes the server still holds). A miss of
-    /// unknown depth (a prefix that may still have been prefilling) moves nothing. A held
-    /// prediction only says "not yet": a slow rise, which lets entries past the share live
-    /// again and be tested.
+    /// its configured capacity (none for a prefix sent there within T_max). A miss at that
+    /// depth says the server keeps less than it: the share moves halfway there, never below
+    /// (a miss cannot say by how much less, and lowering the share further would forget
+    /// prefixes the server still holds). A miss of unknown depth (a prefix that may still
+    /// have been prefilling) moves nothing, and so does one shallower than a recent hold:
+    /// an LRU cache that kept the deeper prefix had room for the shallower one, so the pool
+    /// took its blocks (running requests' KV), not the cache's size. A held prediction only
+    /// says "not yet": a slow rise, which lets entries past the share live again and be
+    /// tested.
     fn check_cache(&mut self, check: CacheCheck, depth: Option<f64>) -> Option<f64> {
         let missed = match check {
             CacheCheck::NotPredicted => return None,
@@ -322,10 +336,15 @@ impl Record {
             CacheCheck::Missed => true,
         };
         let before = self.capacity_share;
+        let deepest = self.deepest_hold;
+        self.deepest_hold *= HOLD_MEMORY;
         self.capacity_share = match (missed, depth.filter(|d| d.is_finite())) {
-            (true, Some(d)) if d < before => before - MISS_STEP * (before - d),
+            (true, Some(d)) if d < before && d >= deepest => before - MISS_STEP * (before - d),
             (true, _) => before,
-            (false, _) => before + HELD_STEP,
+            (false, d) => {
+                self.deepest_hold = self.deepest_hold.max(d.unwrap_or(0.0));
+                before + HELD_STEP
+            }
         }
         .clamp(MIN_CAPACITY_SHARE, 1.0);
         let (c, m) = self.checks_and_misses;
@@ -1062,6 +1081,30 @@ mod tests {
         );
     }
 
+    /// A batch of running requests takes a prefix's blocks: the miss comes from a depth
+    /// where the cache just kept a deeper prefix. It is not the cache's size.
+    #[test]
+    fn a_miss_shallower_than_a_recent_hold_leaves_the_share() {
+        let s = MemStore::new();
+        let e = Estimator::new("t", 15_000.0, 4.0);
+        let share = |d: Option<f64>, reported: u64| {
+            e.observe_cache(&s, 0, 50_000, reported, 64, d).unwrap();
+            e.read(&s, 0).unwrap().capacity_share
+        };
+        let held = share(Some(0.7), 49_000);
+        assert!(held >= 0.99);
+        assert_eq!(share(Some(0.05), 0), held);
+        // Deeper than the hold, a miss counts.
+        let after = share(Some(0.75), 0);
+        assert!((0.75..0.9).contains(&after), "{after}");
+        // The hold fades: a shallow miss counts again after a few thousand checks.
+        for _ in 0..3_000 {
+            share(None, 0);
+        }
+        let faded = share(Some(0.05), 0);
+        assert!(faded < 0.5, "{faded}");
+    }
+
     #[test]
     fn bytes_per_token_learns_per_model() {
         let s = MemStore::new();
@@ -1088,7 +1131,9 @@ mod tests {
         });
         r.capacity_share = 0.5;
         r.checks_and_misses = (7, 3);
+        r.deepest_hold = 0.25;
         let back = Record::decode(&r.encode(), 1.0);
+        assert_eq!(back.deepest_hold, 0.25);
         assert_eq!(back.theta, r.theta);
         assert!((back.capacity_share - 0.5).abs() < 1e-4);
         assert_eq!(back.checks_and_misses, (7, 3));
