@@ -529,6 +529,7 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
     }
     if a.per_endpoint {
         print_endpoints(a, &reqs);
+        print_estimates(&router, &store, &table);
     }
     out.rate_err_end = table
         .endpoints
@@ -540,6 +541,22 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
         })
         .collect();
     out
+}
+
+/// `--per-endpoint` with learning: what the router learned of each endpoint.
+fn print_estimates(router: &Router, store: &MemStore, table: &EndpointTable) {
+    if !router.cfg.learns() {
+        return;
+    }
+    for (e, x) in table.endpoints.iter().enumerate() {
+        let Ok(est) = router.estimator.read(store, x.slot) else {
+            continue;
+        };
+        eprintln!(
+            "endpoint {e} learned: {:.0} tok/s, capacity share {:.2}, {} cache checks, {} missed",
+            est.rate, est.capacity_share, est.cache_checks, est.cache_misses
+        );
+    }
 }
 
 /// `--per-endpoint`: where the requests went and how they fared there.

@@ -21,7 +21,8 @@
 //! - When every endpoint is past τ, spilling cannot create headroom, it only turns capacity
 //!   into cold fills: stay sticky.
 //! - With learned rates, a hot prefix warm only on slow endpoints is promoted to a much
-//!   faster endpoint with little queued whose eviction victim is far colder. Prefixes stay
+//!   faster endpoint with little queued whose eviction victim is far colder, and whose
+//!   speed another endpoint reads too (one reading alone is likely noise). Prefixes stay
 //!   where their first placement put them, before any rate was learned; the hottest ones
 //!   are most of the traffic, and on a half-speed endpoint each of their questions takes
 //!   twice as long.
@@ -65,6 +66,14 @@ const PROMOTE_SPEEDUP: f64 = 1.5;
 const PROMOTE_HOTTER: u32 = 100;
 /// ... and with at most this share of a prompt queued there.
 const PROMOTE_QUEUE: f64 = 0.125;
+/// A speed counts for promotion only when another endpoint reads it too, within this share:
+/// fleets are built from a few kinds of machine, and a speed one endpoint alone reads is
+/// more likely its estimate's transient than a machine of its own kind. Through Envoy, on a
+/// fleet of equal endpoints, one read 2.5x the truth for a while and the busiest 0.75x, and
+/// promotions piled the hottest prefixes onto two endpoints. Both the target's speed and
+/// the warm endpoint's are checked; the cost is a later first promotion while few
+/// endpoints of a kind are learned (docs/benchmarks.md).
+const PEER_BAND: f64 = 0.15;
 
 impl Tokenaware {
     /// This request's τ: the configured one within the prompt bounds. The bounds count the
@@ -220,10 +229,18 @@ impl Tokenaware {
         // decision pays for nothing else.
         (0..fleet.len())
             .filter(|&i| fleet[i].speed() >= PROMOTE_SPEEDUP * fastest_warm)
+            .filter(|&i| Self::corroborated(fleet, fleet[i].speed()))
+            .filter(|_| Self::corroborated(fleet, fastest_warm))
             .filter(|i| !w.contains(i))
             .filter(|&i| fleet[i].load.tokens as f64 <= queue)
             .filter(|&i| Self::colder_victim(ask, &fleet[i], idle))
             .min_by_key(|&i| ask.cost(&fleet[i]))
+    }
+
+    /// Whether at least two endpoints read `speed`, within `PEER_BAND`.
+    fn corroborated(fleet: &[Candidate], speed: f64) -> bool {
+        let near = |c: &&Candidate| (c.speed() / speed - 1.0).abs() <= PEER_BAND;
+        fleet.iter().filter(near).count() >= 2
     }
 
     /// Whether the prompt fits in the endpoint's free room, or what it would evict has been
@@ -447,12 +464,13 @@ mod tests {
 
     /// A hot prefix (last sent a second ago) warm only on a half-speed endpoint; endpoints 1
     /// and 2 are learned 2x faster with full caches, 1's victim idle ten minutes, 2's ten
-    /// seconds.
+    /// seconds; endpoint 3 is half-speed too, and busy.
     fn promotion_fleet() -> Vec<Candidate> {
-        let mut f = fleet(&[(10, 3_000), (0, 0), (0, 0)]);
+        let mut f = fleet(&[(10, 3_000), (0, 0), (0, 0), (0, 50_000)]);
         f[0].speed = 0.5;
         f[0].idle_s = Some(1);
-        for (c, idle) in f[1..].iter_mut().zip([600, 10]) {
+        f[3].speed = 0.5;
+        for (c, idle) in f[1..3].iter_mut().zip([600, 10]) {
             c.speed = 1.0;
             c.held = c.capacity;
             c.victim_idle_s = Some(idle);
@@ -505,6 +523,28 @@ mod tests {
         let mut f = promotion_fleet();
         f.iter_mut().for_each(|c| c.speed = 1.0);
         assert_eq!(sticky(&f), (0, Reason::Sticky));
+    }
+
+    #[test]
+    fn promotion_trusts_only_speeds_two_endpoints_read() {
+        let chain = [3u64; 10];
+        let pick = |f: &[Candidate]| {
+            let d = ta().pick(&ask(&chain), f, 0).unwrap();
+            (d.endpoint, d.reason)
+        };
+        // Endpoint 2 reads 1.25 (its victim is hot), so endpoint 1, the one with a cold
+        // victim, reads a speed no other endpoint does.
+        let mut f = promotion_fleet();
+        f[2].speed = 1.25;
+        f[2].victim_idle_s = Some(10);
+        assert_eq!(pick(&f), (0, Reason::Sticky));
+        // Within a sixth of each other, the two fast readings are one kind of machine.
+        f[2].speed = 1.1;
+        assert_eq!(pick(&f), (1, Reason::Promote));
+        // The warm endpoint alone reads slow (endpoint 3 as fast as the rest).
+        let mut f = promotion_fleet();
+        f[3].speed = 1.0;
+        assert_eq!(pick(&f), (0, Reason::Sticky));
     }
 
     #[test]

@@ -244,6 +244,9 @@ fn tokenaware_config(eps: &[String], p: &Profile, decode: bool) -> String {
         "peakPrefillThroughput": R_PEAK * p.scale,
         "blockSizeTokens": block,
         "metrics": {"cluster": "models", "intervalMs": 200, "timeoutMs": 500, "staleAfterMs": 3000},
+        // Each record keeps its decision (reason, predicted hit): the reasons behind a
+        // figure can be read back from `--records`.
+        "decisionHeader": true,
     });
     if decode {
         v["scorer"] = json!("active-request");

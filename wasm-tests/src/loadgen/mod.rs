@@ -79,6 +79,9 @@ pub struct Record {
     pub completion_tokens: usize,
     /// `x-fleet-endpoint` of the response, if any.
     pub endpoint: Option<String>,
+    /// `x-tokenaware-decision` of the response, if the filter sent one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decision: Option<String>,
 }
 
 /// How one run is paced.
@@ -229,6 +232,11 @@ pub async fn send(client: &reqwest::Client, target: &Target, item: &Item, tf: f6
         rec.endpoint = resp
             .headers()
             .get("x-fleet-endpoint")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        rec.decision = resp
+            .headers()
+            .get("x-tokenaware-decision")
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
         if !resp.status().is_success() {
