@@ -63,6 +63,13 @@ const MIN_CAPACITY_SHARE: f64 = 1.0 / 16.0;
 /// prediction.
 const MISS_STEP: f64 = 0.5;
 const HELD_STEP: f64 = 0.01;
+/// A held prediction tests the share only this close to it: the cache keeping a prefix
+/// far shallower than the share says nothing about whether the share is too low (on a
+/// fleet that keeps half of what the index is told, hot prefixes' holds lifted it back up
+/// faster than the misses could bring it down).
+const HELD_EDGE: f64 = 0.75;
+/// Share of the way to the whole configured capacity a [`CacheCheck::Kept`] moves it.
+const KEPT_STEP: f64 = 0.25;
 /// The deepest recent held prediction fades by this factor per cache check (to 37 % in a
 /// thousand checks), so a cache that really shrank is believed again.
 const HOLD_MEMORY: f64 = 0.999;
@@ -320,19 +327,23 @@ impl Record {
 
     /// Moves the capacity share by a cache check; returns the new share when it changed.
     /// `depth` is the predicted prefix's LRU stack distance on the endpoint as a share of
-    /// its configured capacity (none for a prefix sent there within T_max). A miss at that
+    /// its configured capacity (for a miss, none when the prefix was first written there
+    /// within T_max). A miss at that
     /// depth says the server keeps less than it: the share moves halfway there, never below
     /// (a miss cannot say by how much less, and lowering the share further would forget
     /// prefixes the server still holds). A miss of unknown depth (a prefix that may still
     /// have been prefilling) moves nothing, and so does one shallower than a recent hold:
     /// an LRU cache that kept the deeper prefix had room for the shallower one, so the pool
-    /// took its blocks (running requests' KV), not the cache's size. A held prediction only
-    /// says "not yet": a slow rise, which lets entries past the share live again and be
-    /// tested.
+    /// took its blocks (running requests' KV), not the cache's size. A held prediction says
+    /// the cache keeps at least `depth`: past the share it moves halfway there; near it
+    /// (within [`HELD_EDGE`]) it only says "not yet", a slow rise that lets entries past the
+    /// share live again and be tested; shallower, or of unknown depth, it says nothing. A
+    /// prefix the server kept after the index let it go ([`CacheCheck::Kept`]) moves the
+    /// share a quarter of the way back to the whole capacity.
     fn check_cache(&mut self, check: CacheCheck, depth: Option<f64>) -> Option<f64> {
         let missed = match check {
             CacheCheck::NotPredicted => return None,
-            CacheCheck::Held => false,
+            CacheCheck::Held | CacheCheck::Kept => false,
             CacheCheck::Missed => true,
         };
         let before = self.capacity_share;
@@ -341,9 +352,17 @@ impl Record {
         self.capacity_share = match (missed, depth.filter(|d| d.is_finite())) {
             (true, Some(d)) if d < before && d >= deepest => before - MISS_STEP * (before - d),
             (true, _) => before,
-            (false, d) => {
-                self.deepest_hold = self.deepest_hold.max(d.unwrap_or(0.0));
-                before + HELD_STEP
+            (false, _) if check == CacheCheck::Kept => before + KEPT_STEP * (1.0 - before),
+            (false, None) => before,
+            (false, Some(d)) => {
+                self.deepest_hold = self.deepest_hold.max(d);
+                if d > before {
+                    before + (MISS_STEP * (d.min(1.0) - before)).max(HELD_STEP)
+                } else if d >= HELD_EDGE * before {
+                    before + HELD_STEP
+                } else {
+                    before
+                }
             }
         }
         .clamp(MIN_CAPACITY_SHARE, 1.0);
@@ -460,14 +479,29 @@ pub enum CacheCheck {
     NotPredicted,
     Held,
     Missed,
+    /// Nothing was predicted, yet the server had most of the prompt cached: it kept a
+    /// prefix the index had already let go of (the capacity share is too low).
+    Kept,
 }
 
 /// Whether the server's `cached_tokens` bore out the index's predicted hit. A prediction of
 /// under two blocks is noise in block rounding, not a claim; under half of it came back
-/// cached is a miss (the server evicted more than the index assumed).
-pub fn cache_check(predicted_cached: u64, reported_cached: u64, block_tokens: u64) -> CacheCheck {
-    if predicted_cached < 2 * block_tokens.max(1) {
-        return CacheCheck::NotPredicted;
+/// cached is a miss (the server evicted more than the index assumed). With nothing
+/// predicted, at least eight blocks and half of the `prompt_tokens` cached is a prefix the
+/// server kept and the index forgot.
+pub fn cache_check(
+    predicted_cached: u64,
+    reported_cached: u64,
+    prompt_tokens: u64,
+    block_tokens: u64,
+) -> CacheCheck {
+    let block = block_tokens.max(1);
+    if predicted_cached < 2 * block {
+        let kept = reported_cached >= 8 * block && 2 * reported_cached >= prompt_tokens;
+        return match kept {
+            true => CacheCheck::Kept,
+            false => CacheCheck::NotPredicted,
+        };
     }
     if (reported_cached as f64) < 0.5 * predicted_cached as f64 {
         CacheCheck::Missed
@@ -557,19 +591,16 @@ impl Estimator {
         .map(|_| ())
     }
 
-    /// `usage` of a finished request: checks the index's predicted cached tokens against
-    /// the server's `cached_tokens` and moves the capacity share (`depth`: see
-    /// [`Estimator::observe_served`]). Returns the new share when it changed.
+    /// A cache check of a finished request ([`cache_check`]) alone: moves the capacity
+    /// share (`depth`: see [`Estimator::observe_served`]). Returns the new share when it
+    /// changed.
     pub fn observe_cache<S: SharedStore + ?Sized>(
         &self,
         s: &S,
         slot: u16,
-        predicted_cached: u64,
-        reported_cached: u64,
-        block_tokens: u64,
+        check: CacheCheck,
         depth: Option<f64>,
     ) -> Result<(CacheCheck, Option<f64>), StoreError> {
-        let check = cache_check(predicted_cached, reported_cached, block_tokens);
         Ok((check, self.observe_served(s, slot, None, check, depth)?))
     }
 
@@ -1033,26 +1064,67 @@ mod tests {
     fn cache_misses_shrink_the_capacity_share_and_hits_restore_it() {
         let s = MemStore::new();
         let e = Estimator::new("t", 15_000.0, 4.0);
-        let (c, _) = e.observe_cache(&s, 0, 64, 0, 64, None).unwrap();
+        let (c, _) = e
+            .observe_cache(&s, 0, cache_check(64, 0, 51_000, 64), None)
+            .unwrap();
         assert_eq!(c, CacheCheck::NotPredicted);
         // A miss of unknown depth is counted and moves nothing.
-        let (c, new) = e.observe_cache(&s, 0, 50_000, 0, 64, None).unwrap();
+        let (c, new) = e
+            .observe_cache(&s, 0, cache_check(50_000, 0, 51_000, 64), None)
+            .unwrap();
         assert_eq!((c, new), (CacheCheck::Missed, None));
         let mut share = 1.0;
         for _ in 0..10 {
-            let (c, new) = e.observe_cache(&s, 0, 50_000, 0, 64, Some(0.3)).unwrap();
+            let (c, new) = e
+                .observe_cache(&s, 0, cache_check(50_000, 0, 51_000, 64), Some(0.3))
+                .unwrap();
             assert_eq!(c, CacheCheck::Missed);
             share = new.unwrap_or(share);
         }
         // Halfway to the depth of each miss: close to it, never below.
         assert!(share > 0.3 && share < 0.301, "{share}");
-        for _ in 0..5 {
-            e.observe_cache(&s, 0, 50_000, 49_000, 64, Some(0.1))
+        // A hold far shallower than the share says nothing about it; one near it, a little.
+        for depth in [0.1, 0.1, 0.29, 0.29, 0.29] {
+            e.observe_cache(&s, 0, cache_check(50_000, 49_000, 51_000, 64), Some(depth))
                 .unwrap();
         }
         let est = e.read(&s, 0).unwrap();
-        assert!(est.capacity_share > share);
+        assert!(est.capacity_share > share && est.capacity_share < share + 0.05);
         assert_eq!((est.cache_checks, est.cache_misses), (16, 11));
+    }
+
+    /// Holds of hot prefixes, a few blocks deep, are the most common check and say nothing
+    /// about a share that is too low; a hold past the share does, and so does a prefix the
+    /// server kept after the index let it go.
+    #[test]
+    fn only_a_hold_that_tests_the_share_raises_it() {
+        let s = MemStore::new();
+        let e = Estimator::new("t", 15_000.0, 4.0);
+        let check = |predicted: u64, reported: u64, d: Option<f64>| {
+            let (c, _) = e
+                .observe_cache(&s, 0, cache_check(predicted, reported, 51_000, 64), d)
+                .unwrap();
+            (c, e.read(&s, 0).unwrap().capacity_share)
+        };
+        for _ in 0..10 {
+            check(50_000, 0, Some(0.4));
+        }
+        let (_, low) = check(50_000, 0, Some(0.4));
+        assert!((0.4..0.41).contains(&low), "{low}");
+        for _ in 0..200 {
+            assert_eq!(check(50_000, 49_000, Some(0.02)).1, low);
+            assert_eq!(check(50_000, 49_000, None).1, low);
+        }
+        // With running requests holding half the pool, a hold 0.4 deep needed room for 0.8.
+        let (c, past) = check(50_000, 49_000, Some(0.8));
+        assert_eq!(c, CacheCheck::Held);
+        assert!((past - 0.6).abs() < 0.01, "{past}");
+        let (c, kept) = check(0, 40_000, None);
+        assert_eq!(c, CacheCheck::Kept);
+        assert!((kept - (past + 0.25 * (1.0 - past))).abs() < 1e-9, "{kept}");
+        // A few blocks, or under half the prompt, cached without a prediction: nothing.
+        assert_eq!(check(0, 300, None), (CacheCheck::NotPredicted, kept));
+        assert_eq!(check(0, 20_000, None), (CacheCheck::NotPredicted, kept));
     }
 
     /// A server keeping 40 % of the configured cache: misses come from prefixes deeper than
@@ -1068,7 +1140,12 @@ mod tests {
             let depth = share * f64::from(i * 37 % 100) / 100.0;
             let reported = if depth < 0.4 { 49_000 } else { 0 };
             let (_, new) = e
-                .observe_cache(&s, 0, 50_000, reported, 64, Some(depth))
+                .observe_cache(
+                    &s,
+                    0,
+                    cache_check(50_000, reported, 51_000, 64),
+                    Some(depth),
+                )
                 .unwrap();
             share = new.unwrap_or(share);
             if i >= 200 {
@@ -1088,7 +1165,8 @@ mod tests {
         let s = MemStore::new();
         let e = Estimator::new("t", 15_000.0, 4.0);
         let share = |d: Option<f64>, reported: u64| {
-            e.observe_cache(&s, 0, 50_000, reported, 64, d).unwrap();
+            e.observe_cache(&s, 0, cache_check(50_000, reported, 51_000, 64), d)
+                .unwrap();
             e.read(&s, 0).unwrap().capacity_share
         };
         let held = share(Some(0.7), 49_000);

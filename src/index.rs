@@ -36,9 +36,10 @@ pub const SEGMENT: usize = 16;
 /// Entries per bucket (one store value). 16 rather than 8: at the same memory, a bucket
 /// overflows far less often (see `default_headroom_loses_under_half_a_percent`).
 pub const WAYS: usize = 16;
-/// An entry: tag (u64, 0 when empty), epoch stamp (u32, see `stamp_of`), last touch (u32,
-/// seconds), endpoint slot (u16), a spare byte, segment length in blocks (u8), then 32-bit
-/// fingerprints of the segment's blocks after the first.
+/// An entry: tag (u64, 0 when empty), epoch stamp (u32, see `stamp_of`), when its blocks
+/// were first written (u32, seconds; a new stamp on a live entry keeps it), endpoint slot
+/// (u16), a spare byte, segment length in blocks (u8), then 32-bit fingerprints of the
+/// segment's blocks after the first.
 const ENTRY: usize = 8 + 4 + 4 + 2 + 1 + 1 + 4 * (SEGMENT - 1);
 const STAMP_AT: usize = 8;
 const TOUCHED_AT: usize = 12;
@@ -432,7 +433,11 @@ impl AffinityIndex {
             let mut b = bucket_buf(old);
             let at = find(&b, t).unwrap_or_else(|| victim(&b, headers));
             let previous = (read_u64(&b, at) != 0).then(|| b[at..at + ENTRY].to_vec());
-            fill_entry(&mut b[at..at + ENTRY], t, stamp, slot, seg, now_s);
+            let filled_s = previous
+                .as_deref()
+                .and_then(|e| restamped_fill(e, t, headers))
+                .unwrap_or(now_s);
+            fill_entry(&mut b[at..at + ENTRY], t, stamp, slot, seg, filled_s);
             Some((
                 b,
                 Written {
@@ -641,7 +646,7 @@ fn find(b: &[u8], t: u64) -> Option<usize> {
 }
 
 /// The way to overwrite: an empty one, else an expired one, else the live entry closest to
-/// expiry (largest share of its endpoint's capacity), else the one touched longest ago.
+/// expiry (largest share of its endpoint's capacity), else the one filled longest ago.
 fn victim(b: &[u8], headers: &[(u16, Header)]) -> usize {
     let rank = |at: usize| -> (u8, Reverse<u64>, u32) {
         let e = entry(b, at);
@@ -691,6 +696,16 @@ fn matching_blocks(e: &[u8], seg: &[u64]) -> usize {
         n += 1;
     }
     n.min(len.max(1))
+}
+
+/// When `e` is a live entry of the same tag (the same first block on the same endpoint),
+/// the time its blocks were first written: a new stamp on a held prefix (a use, or a new
+/// question after it in the segment) is no prefill of the prefix, and keeps that time, so a
+/// miss on a hot prefix counts as evidence once its fill is T_max old.
+fn restamped_fill(e: &[u8], t: u64, headers: &[(u16, Header)]) -> Option<u32> {
+    let slot = entry_slot(e);
+    let live_here = headers.iter().any(|(x, h)| *x == slot && live(e, *h));
+    (read_u64(e, 0) == t && live_here).then(|| read_u32(e, TOUCHED_AT))
 }
 
 fn fill_entry(e: &mut [u8], t: u64, stamp: u64, slot: u16, seg: &[u64], now_s: u32) {
@@ -813,6 +828,35 @@ mod tests {
         ix.insert(&s, 0, &p[0], 9).unwrap();
         assert!(distance(&p[0]).unwrap() <= 100);
         assert_eq!(distance(&chain(999, 20)), None);
+    }
+
+    #[test]
+    fn a_new_stamp_on_a_held_prefix_keeps_its_fill_time() {
+        // Epochs of 100 blocks (3,200 / 32).
+        let (ix, s) = index(3_200, 1);
+        let prefix = chain(7, 40);
+        // The prefix ends inside its third segment, which each question then rewrites.
+        let ask = |q: u64| {
+            let mut c = prefix.clone();
+            c.extend(chain(q, 20));
+            c
+        };
+        ix.insert(&s, 0, &ask(1), 10).unwrap();
+        for i in 0..3 {
+            ix.insert(&s, 0, &chain(100 + i, 100), 20 + i as u32)
+                .unwrap();
+        }
+        ix.insert(&s, 0, &ask(2), 30).unwrap();
+        let m = ix.matched(&s, 0, &ask(3)).unwrap();
+        assert_eq!((m.blocks, m.written_s), (40, Some(10)));
+        // Pushed out of the index by 32 prompts, the prefix is filled again: a new time.
+        for i in 0..32 {
+            ix.insert(&s, 0, &chain(200 + i, 100), 40 + i as u32)
+                .unwrap();
+        }
+        assert_eq!(ix.matched(&s, 0, &ask(3)).unwrap().blocks, 0);
+        ix.insert(&s, 0, &ask(4), 90).unwrap();
+        assert_eq!(ix.matched(&s, 0, &ask(5)).unwrap().written_s, Some(90));
     }
 
     #[test]

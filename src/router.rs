@@ -54,8 +54,9 @@ pub struct Routed {
     /// Capacity of the picked endpoint in blocks before the cache correction.
     pub capacity_blocks: u64,
     /// LRU stack distance there of the prefix the index predicted cached, in blocks (none
-    /// when it was sent there within T_max: it may still have been prefilling), over the
-    /// share of the KV pool running requests left free at dispatch (see [`free_distance`]).
+    /// when it was first written there within T_max: it may still have been prefilling, or
+    /// when running requests held past [`POOL_PRESSURE`] of the pool), over the share of
+    /// the KV pool running requests left free at dispatch (see [`free_distance`]).
     pub distance_blocks: Option<u64>,
     /// Its first byte is its first token (a streamed answer): a TTFT sample. A
     /// non-streamed answer's first byte comes after the whole generation.
@@ -310,8 +311,8 @@ impl Router {
         tokens: u64,
         now_ms: u64,
     ) -> Result<(Vec<Candidate>, Vec<Seen>), StoreError> {
-        // A match written within T_max may be a prompt still prefilling there: its miss
-        // would not be evidence about the cache's size.
+        // A match first written within T_max may be a prompt still prefilling there: its
+        // miss would not be evidence about the cache's size.
         let settled_s = (self.cfg.max_ttft_penalty_ms / 1000.0).ceil() as u32;
         let now_s = (now_ms / 1000) as u32;
         let stale = self
@@ -489,8 +490,9 @@ impl Router {
     ) -> Result<CacheCheck, StoreError> {
         let predicted = r.tokens.saturating_sub(r.uncached);
         let block_tokens = u64::from(self.cfg.block_size_tokens);
+        let prompt = prompt_tokens.max(r.tokens);
         let check = cached_tokens.map_or(CacheCheck::NotPredicted, |c| {
-            cache_check(predicted, c, block_tokens)
+            cache_check(predicted, c, prompt, block_tokens)
         });
         // The check still counts in the stats; only learning needs the shared estimates.
         if !self.cfg.learns() {
@@ -658,6 +660,39 @@ mod tests {
             .unwrap();
         assert!(capacity(&r) < before);
         r.finish(&s, &mut third, Outcome::Done).unwrap();
+    }
+
+    #[test]
+    fn a_hot_prefix_miss_counts_once_its_first_fill_is_t_max_old() {
+        // A prefix asked about every two seconds, each time with a new question: every
+        // request rewrites the segment where the prefix ends. Its miss at 40 s is still
+        // evidence: the prefix was filled at 0 s, not at 38 s.
+        let (mut r, t, s) = router(r#","peakPrefillThroughput":"auto""#);
+        let system = "x".repeat(40_000);
+        // Questions of a few blocks, so that the prefix's last segment holds some of them.
+        let question = |i: u64| format!("question {i} {}", "y".repeat(1_000));
+        let mut slot = None;
+        for i in 0..20u64 {
+            let chain = r.hash(&chat(&system, &question(i)));
+            let mut a = r
+                .route(&s, &t.endpoints, &chain, 10_000, i * 2_000)
+                .unwrap();
+            assert!(slot.is_none() || slot == Some(a.charge.slot));
+            slot = Some(a.charge.slot);
+            r.finish(&s, &mut a, Outcome::Done).unwrap();
+        }
+        let slot = slot.unwrap();
+        let capacity = |r: &Router| r.index.matched(&s, slot, &[]).unwrap().capacity;
+        let before = capacity(&r);
+        let chain = r.hash(&chat(&system, &question(99)));
+        let mut last = r.route(&s, &t.endpoints, &chain, 10_000, 40_000).unwrap();
+        assert_eq!(last.charge.slot, slot);
+        let check = r
+            .observe_usage(&s, &mut last, "m", 40_000, 10_000, Some(0))
+            .unwrap();
+        assert_eq!(check, CacheCheck::Missed);
+        assert!(capacity(&r) < before, "{} < {before}", capacity(&r));
+        r.finish(&s, &mut last, Outcome::Done).unwrap();
     }
 
     #[test]

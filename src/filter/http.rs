@@ -271,6 +271,7 @@ impl HttpFilter {
         match r.observe_usage(s, routed, model, *bytes, u.prompt_tokens, u.cached_tokens) {
             Ok(CacheCheck::Missed) => vm.stats.inc(h, Counter::CacheMisses),
             Ok(CacheCheck::Held) => vm.stats.inc(h, Counter::CacheHeld),
+            Ok(CacheCheck::Kept) => vm.stats.inc(h, Counter::CacheKept),
             Ok(CacheCheck::NotPredicted) => {}
             Err(_) => vm.stats.inc(h, Counter::EstimateErrors),
         }

@@ -110,6 +110,9 @@ pub enum Counter {
     /// `cached_tokens` fell short of the predicted hit: the endpoint evicted more than the
     /// index assumed (its capacity share is lowered).
     CacheMisses,
+    /// Nothing was predicted, yet `cached_tokens` covered most of the prompt: the endpoint
+    /// kept a prefix the index had let go of (its capacity share is raised).
+    CacheKept,
     /// Endpoints seen to restart cold (their index entries dropped).
     EndpointResets,
     /// A TTFT sample or a `usage` observation could not be stored in the shared estimates.
@@ -117,7 +120,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 17] = [
+    pub const ALL: [Counter; 18] = [
         Counter::Routed,
         Counter::Released,
         Counter::FailedEarly,
@@ -133,6 +136,7 @@ impl Counter {
         Counter::ReleaseErrors,
         Counter::CacheHeld,
         Counter::CacheMisses,
+        Counter::CacheKept,
         Counter::EndpointResets,
         Counter::EstimateErrors,
     ];
@@ -154,6 +158,7 @@ impl Counter {
             Counter::ReleaseErrors => "tokenaware_release_errors",
             Counter::CacheHeld => "tokenaware_cache_predictions_held",
             Counter::CacheMisses => "tokenaware_cache_predictions_missed",
+            Counter::CacheKept => "tokenaware_cache_prefixes_kept",
             Counter::EndpointResets => "tokenaware_endpoint_resets",
             Counter::EstimateErrors => "tokenaware_estimate_errors",
         }
