@@ -328,8 +328,8 @@ impl Record {
     /// Moves the capacity share by a cache check; returns the new share when it changed.
     /// `depth` is the predicted prefix's LRU stack distance on the endpoint as a share of
     /// its configured capacity (for a miss, none when the prefix was first written there
-    /// within T_max). A miss at that
-    /// depth says the server keeps less than it: the share moves halfway there, never below
+    /// within T_max). A miss at that depth says the server keeps less than it: the share
+    /// moves halfway there, never below
     /// (a miss cannot say by how much less, and lowering the share further would forget
     /// prefixes the server still holds). A miss of unknown depth (a prefix that may still
     /// have been prefilling) moves nothing, and so does one shallower than a recent hold:
@@ -341,32 +341,26 @@ impl Record {
     /// prefix the server kept after the index let it go ([`CacheCheck::Kept`]) moves the
     /// share a quarter of the way back to the whole capacity.
     fn check_cache(&mut self, check: CacheCheck, depth: Option<f64>) -> Option<f64> {
-        let missed = match check {
-            CacheCheck::NotPredicted => return None,
-            CacheCheck::Held | CacheCheck::Kept => false,
-            CacheCheck::Missed => true,
-        };
+        if check == CacheCheck::NotPredicted {
+            return None;
+        }
         let before = self.capacity_share;
         let deepest = self.deepest_hold;
         self.deepest_hold *= HOLD_MEMORY;
-        self.capacity_share = match (missed, depth.filter(|d| d.is_finite())) {
-            (true, Some(d)) if d < before && d >= deepest => before - MISS_STEP * (before - d),
-            (true, _) => before,
-            (false, _) if check == CacheCheck::Kept => before + KEPT_STEP * (1.0 - before),
-            (false, None) => before,
-            (false, Some(d)) => {
-                self.deepest_hold = self.deepest_hold.max(d);
-                if d > before {
-                    before + (MISS_STEP * (d.min(1.0) - before)).max(HELD_STEP)
-                } else if d >= HELD_EDGE * before {
-                    before + HELD_STEP
-                } else {
-                    before
-                }
+        self.capacity_share = match (check, depth.filter(|d| d.is_finite())) {
+            (CacheCheck::Missed, Some(d)) if d < before && d >= deepest => {
+                before - MISS_STEP * (before - d)
             }
+            (CacheCheck::Held, Some(d)) => {
+                self.deepest_hold = self.deepest_hold.max(d);
+                held_share(before, d)
+            }
+            (CacheCheck::Kept, _) => before + KEPT_STEP * (1.0 - before),
+            _ => before,
         }
         .clamp(MIN_CAPACITY_SHARE, 1.0);
         let (c, m) = self.checks_and_misses;
+        let missed = check == CacheCheck::Missed;
         self.checks_and_misses = (
             c.saturating_add(1).min(0xFFFF),
             m.saturating_add(missed as u32),
@@ -470,6 +464,18 @@ pub struct TtftSample {
     pub active: u64,
     /// Share of the KV pool running requests held there at dispatch (scraped; 0 unknown).
     pub kv_usage: f64,
+}
+
+/// The share after a prediction `depth` deep held: halfway up to a depth past it, a slow
+/// rise for one near it (within [`HELD_EDGE`]), nothing for a shallower one.
+fn held_share(before: f64, depth: f64) -> f64 {
+    if depth > before {
+        before + (MISS_STEP * (depth.min(1.0) - before)).max(HELD_STEP)
+    } else if depth >= HELD_EDGE * before {
+        before + HELD_STEP
+    } else {
+        before
+    }
 }
 
 /// Outcome of comparing the index's predicted hit with what the server reported.
