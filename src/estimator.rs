@@ -332,10 +332,7 @@ impl Record {
     /// moves halfway there, never below
     /// (a miss cannot say by how much less, and lowering the share further would forget
     /// prefixes the server still holds). A miss of unknown depth (a prefix that may still
-    /// have been prefilling) moves nothing, nor does one shallower than the smallest share
-    /// (a prefix refilled after the server dropped it: a hot prefix keeps its first fill
-    /// time, so requests sent while it refills miss at depth near 0), nor one shallower
-    /// than a recent hold:
+    /// have been prefilling) moves nothing, and so does one shallower than a recent hold:
     /// an LRU cache that kept the deeper prefix had room for the shallower one, so the pool
     /// took its blocks (running requests' KV), not the cache's size. A held prediction says
     /// the cache keeps at least `depth`: past the share it moves halfway there; near it
@@ -348,10 +345,10 @@ impl Record {
             return None;
         }
         let before = self.capacity_share;
-        let shallowest_miss = self.deepest_hold.max(MIN_CAPACITY_SHARE);
+        let deepest = self.deepest_hold;
         self.deepest_hold *= HOLD_MEMORY;
         self.capacity_share = match (check, depth.filter(|d| d.is_finite())) {
-            (CacheCheck::Missed, Some(d)) if d < before && d >= shallowest_miss => {
+            (CacheCheck::Missed, Some(d)) if d < before && d >= deepest => {
                 before - MISS_STEP * (before - d)
             }
             (CacheCheck::Held, Some(d)) => {
@@ -1136,26 +1133,6 @@ mod tests {
         assert_eq!(check(0, 20_000, None), (CacheCheck::NotPredicted, kept));
     }
 
-    /// A hot prefix keeps its first fill time, so requests sent while the server refills it
-    /// after dropping it (a restart, a burst of running requests) miss at a depth near 0.
-    /// An LRU cache that small is below the smallest share; those misses move nothing, and
-    /// a miss deep enough to say something still does.
-    #[test]
-    fn a_miss_on_a_prefix_being_refilled_leaves_the_share() {
-        let s = MemStore::new();
-        let e = Estimator::new("t", 15_000.0, 4.0);
-        let miss = |d: f64| {
-            e.observe_cache(&s, 0, cache_check(50_000, 0, 51_000, 64), Some(d))
-                .unwrap()
-        };
-        for d in [0.0, 0.01, 0.05] {
-            assert_eq!(miss(d), (CacheCheck::Missed, None));
-        }
-        assert_eq!(e.read(&s, 0).unwrap().capacity_share, 1.0);
-        let (_, moved) = miss(0.2);
-        assert!(moved.is_some_and(|v| (v - 0.6).abs() < 1e-9), "{moved:?}");
-    }
-
     /// A server keeping 40 % of the configured cache: misses come from prefixes deeper than
     /// that, holds from shallower ones. The share settles just above 40 %, not below it.
     #[test]
@@ -1208,7 +1185,7 @@ mod tests {
         for _ in 0..3_000 {
             share(None, 0);
         }
-        let faded = share(Some(0.1), 0);
+        let faded = share(Some(0.05), 0);
         assert!(faded < 0.5, "{faded}");
     }
 
