@@ -1,7 +1,9 @@
 //! Decision cost, natively: parse + hash + match + pick (+ ledger charge and index insert,
 //! which the filter also does on the request path) for a chat body, against 10 endpoints
-//! whose tables are warm. Prints median and p99 per decision, and the store reads and writes
-//! per request (route, first byte, finish): in Envoy each is a shared-data hostcall.
+//! whose tables are warm. Prints median and p99 per decision, the medians of its parts
+//! (parse, hash, route), and the store reads and writes per request (route, first byte,
+//! finish): in Envoy each is a shared-data hostcall. Built for `wasm32-wasip1` and run under
+//! a WASI runtime it shows the same code compiled to wasm (docs/benchmarks.md).
 //!
 //!     cargo run --release --example decision_cost
 
@@ -78,6 +80,8 @@ fn measure(label: &str, system_bytes: usize, iterations: usize) {
     // Bodies differ in their question, as real traffic does; built before timing.
     let bodies: Vec<Vec<u8>> = (0..64).map(|q| chat_body(system_bytes, q)).collect();
     let mut times = Vec::with_capacity(iterations);
+    // The same decisions split: parse, hash (with the token estimate), route.
+    let mut parts: [Vec<f64>; 3] = Default::default();
     for i in 0..iterations + 200 {
         let body = &bodies[i % bodies.len()];
         let t = Instant::now();
@@ -85,8 +89,10 @@ fn measure(label: &str, system_bytes: usize, iterations: usize) {
             eprintln!("parse failed");
             return;
         };
+        let parsed = t.elapsed();
         let chain = router.hash(&req);
         let tokens = router.prompt_tokens(&req);
+        let hashed = t.elapsed();
         let routed = router.route(&store, &table.endpoints, &chain, tokens, i as u64);
         let elapsed = t.elapsed();
         if let Ok(mut r) = routed {
@@ -99,10 +105,17 @@ fn measure(label: &str, system_bytes: usize, iterations: usize) {
         }
         if i >= 200 {
             times.push(elapsed.as_secs_f64() * 1e6);
+            let [p, h, r] = &mut parts;
+            p.push(parsed.as_secs_f64() * 1e6);
+            h.push((hashed - parsed).as_secs_f64() * 1e6);
+            r.push((elapsed - hashed).as_secs_f64() * 1e6);
         }
     }
-    times.sort_by(f64::total_cmp);
-    let q = |p: f64| times[((times.len() as f64 * p) as usize).min(times.len() - 1)];
+    for v in parts.iter_mut().chain([&mut times]) {
+        v.sort_by(f64::total_cmp);
+    }
+    let at = |v: &[f64], p: f64| v[((v.len() as f64 * p) as usize).min(v.len() - 1)];
+    let q = |p: f64| at(&times, p);
     let per = |n: u64| n as f64 / times.len() as f64;
     println!(
         "{label:<24} body {:>7} B  decisions {:>6}  median {:>8.1} µs  p99 {:>8.1} µs  \
@@ -113,6 +126,13 @@ fn measure(label: &str, system_bytes: usize, iterations: usize) {
         q(0.99),
         per(store.reads.get()),
         per(store.writes.get())
+    );
+    println!(
+        "{:<24} medians: parse {:.1} µs, hash {:.1} µs, route {:.1} µs",
+        "",
+        at(&parts[0], 0.5),
+        at(&parts[1], 0.5),
+        at(&parts[2], 0.5)
     );
 }
 

@@ -156,6 +156,11 @@ struct Args {
     /// it whole), and its busiest prefix groups.
     #[arg(long)]
     per_endpoint: bool,
+    /// TTFT p90 SLO, seconds: after the table, each policy's capacity at SLO per seed (the
+    /// highest rate whose p90 and every lower rate's p90 are within it), for fine ladders
+    /// that resolve a few percent (the seed-sim SLO is 5.52 s: twice a cold 56.5k-token fill).
+    #[arg(long)]
+    slo: Option<f64>,
 }
 
 impl Args {
@@ -888,6 +893,58 @@ fn main() {
         .zip(results.chunks(a.seeds.max(1) as usize))
     {
         report(&a, &runs[0], &mean(sums));
+    }
+    if let Some(slo) = a.slo {
+        report_capacity(&a, &runs, &results, slo);
+    }
+}
+
+/// Capacity at SLO per seed: the highest rate below the first one whose p90 missed.
+fn capacity_at_slo(points: &mut [(f64, f64)], slo: f64) -> f64 {
+    points.sort_by(|x, y| x.0.total_cmp(&y.0));
+    points
+        .iter()
+        .take_while(|(_, p90)| *p90 <= slo)
+        .last()
+        .map_or(0.0, |(rate, _)| *rate)
+}
+
+fn report_capacity(a: &Args, runs: &[Run], results: &[Summary], slo: f64) {
+    let mut groups: Vec<(PolicyName, u64)> = Vec::new();
+    for r in runs {
+        if !groups.contains(&(r.policy, r.tau)) {
+            groups.push((r.policy, r.tau));
+        }
+    }
+    for (policy, tau) in groups {
+        let mut caps: Vec<(u64, f64)> = Vec::new();
+        for seed in a.seed..a.seed + a.seeds.max(1) {
+            let mut points: Vec<(f64, f64)> = runs
+                .iter()
+                .zip(results)
+                .filter(|(r, _)| r.policy == policy && r.tau == tau && r.seed == seed)
+                .map(|(r, s)| (r.rate, s.p90))
+                .collect();
+            caps.push((seed, capacity_at_slo(&mut points, slo)));
+        }
+        let mut sorted: Vec<f64> = caps.iter().map(|c| c.1).collect();
+        sorted.sort_by(f64::total_cmp);
+        let median = quantile(&sorted, 0.5);
+        let list: Vec<String> = caps.iter().map(|(s, c)| format!("{s}:{c}")).collect();
+        if a.json {
+            let per_seed: Vec<String> = caps.iter().map(|c| c.1.to_string()).collect();
+            println!(
+                "{{\"policy\":\"{}\",\"tau\":{tau},\"slo_s\":{slo},\"capacity_rps\":[{}],\"capacity_median_rps\":{median}}}",
+                policy.as_str(),
+                per_seed.join(",")
+            );
+        } else {
+            println!(
+                "capacity at p90 <= {slo} s: {} tau {tau}: median {median} req/s; per seed {}",
+                policy.as_str(),
+                list.join(" ")
+            );
+        }
     }
 }
 

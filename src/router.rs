@@ -110,6 +110,10 @@ pub fn free_distance(blocks: u64, kv_usage: f64) -> u64 {
     (blocks as f64 / (1.0 - used)) as u64
 }
 
+/// Until an endpoint's rate is learned, τ counts R_peak as this many times the prior (the
+/// range of error a preset is expected to have; the policy's own bounds still apply).
+const PRIOR_DOUBT: f64 = 4.0;
+
 pub struct Router {
     pub cfg: Config,
     pub params: Params,
@@ -393,7 +397,17 @@ impl Router {
             Some(_) => self.estimator.prior_rate,
             None => mean,
         };
-        let tau = reference * self.cfg.max_ttft_penalty_ms / 1000.0;
+        // Before any rate is learned τ rests on the prior alone, which may be far off, and
+        // the two errors are not alike: a τ too low spills hot prefixes into cold fills
+        // across the fleet, a state that outlasts the learning (simulator, a prior 4x too
+        // low: capacity at SLO under 54 req/s in six seeds of ten, against 63 calibrated),
+        // while one too high only queues a little longer for the first few seconds. So
+        // until then τ leans sticky.
+        let doubt = match (learned.is_empty(), self.cfg.tau) {
+            (true, None) => PRIOR_DOUBT,
+            _ => 1.0,
+        };
+        let tau = reference * self.cfg.max_ttft_penalty_ms / 1000.0 * doubt;
         if self.cfg.tau.is_none() && (tau - self.params.tau).abs() > 0.01 * self.params.tau {
             self.relearned = Some(Params { tau, ..self.params });
         }
@@ -845,6 +859,38 @@ mod tests {
         // The held sample cannot be stored: lost, and the release still happens.
         r.finish(&s, &mut routed, Outcome::Done).unwrap();
         assert_eq!(r.ledger.load(&s, slot, 600).unwrap(), Default::default());
+    }
+
+    #[test]
+    fn tau_leans_sticky_until_a_rate_is_learned() {
+        // Told R_peak 1,000 tok/s and T_max 1 s (τ 1,000); every endpoint really prefills
+        // 2,000 tok/s. Until one is learned the prior may be far off, and a τ too low does
+        // lasting harm: τ counts R_peak at four times the prior. Then it is R̂ × T_max.
+        let (mut r, t, s) = router(
+            r#","peakPrefillThroughput":{"auto":1000},"maxTTFTPenaltyMs":1000,"policy":"sticky-until-saturated""#,
+        );
+        let mut learned_tau = None;
+        for i in 0..40u64 {
+            let chain = r.hash(&chat(&format!("{i} ").repeat(2_000), "q"));
+            let now = i * 2_000;
+            let mut routed = r.route(&s, &t.endpoints, &chain, 2_000, now).unwrap();
+            let learned = t
+                .endpoints
+                .iter()
+                .any(|e| r.estimator.read(&s, e.slot).unwrap().learned);
+            if i == 1 {
+                assert_eq!(r.params.tau, 4_000.0, "nothing learned yet");
+            }
+            if learned {
+                learned_tau = Some(r.params.tau);
+            }
+            r.first_byte(&s, &mut routed, now + 1_000).unwrap();
+            r.observe_usage(&s, &mut routed, "m", 8_000, 2_000, Some(0))
+                .unwrap();
+            r.finish(&s, &mut routed, Outcome::Done).unwrap();
+        }
+        let tau = learned_tau.expect("an endpoint learned its rate");
+        assert!((tau - 2_000.0).abs() < 300.0, "τ {tau}");
     }
 
     #[test]

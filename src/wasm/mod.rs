@@ -8,6 +8,9 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel};
 
+use std::rc::Rc;
+
+use crate::filter::vm::Vm;
 use crate::filter::{self, HttpFilter, Root};
 use host::WasmHost;
 
@@ -81,16 +84,8 @@ impl RootContext for RootCtx {
         }
     }
 
-    #[cfg(not(feature = "overhead-baseline"))]
     fn create_http_context(&self, _: u32) -> Option<Box<dyn HttpContext>> {
-        let vm = self.root.as_ref().map(Root::vm);
-        Some(Box::new(HttpCtx(HttpFilter::new(vm))))
-    }
-
-    #[cfg(feature = "overhead-baseline")]
-    fn create_http_context(&self, _: u32) -> Option<Box<dyn HttpContext>> {
-        let vm = self.root.as_ref().map(Root::vm);
-        Some(Box::new(BareCtx(filter::BareFilter::new(vm))))
+        Some(http_context(self.root.as_ref().map(Root::vm)))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -98,9 +93,31 @@ impl RootContext for RootCtx {
     }
 }
 
-#[cfg_attr(feature = "overhead-baseline", allow(dead_code))]
+#[cfg(not(any(feature = "overhead-baseline", feature = "overhead-noop")))]
+fn http_context(vm: Option<Rc<Vm>>) -> Box<dyn HttpContext> {
+    Box::new(HttpCtx(HttpFilter::new(vm)))
+}
+
+#[cfg(feature = "overhead-baseline")]
+fn http_context(vm: Option<Rc<Vm>>) -> Box<dyn HttpContext> {
+    Box::new(BareCtx(filter::BareFilter::new(vm)))
+}
+
+#[cfg(all(feature = "overhead-noop", not(feature = "overhead-baseline")))]
+fn http_context(_: Option<Rc<Vm>>) -> Box<dyn HttpContext> {
+    Box::new(NoopCtx)
+}
+
+#[cfg_attr(
+    any(feature = "overhead-baseline", feature = "overhead-noop"),
+    allow(dead_code)
+)]
 struct HttpCtx(HttpFilter);
 
+#[cfg_attr(
+    all(feature = "overhead-noop", not(feature = "overhead-baseline")),
+    allow(dead_code)
+)]
 fn action(a: filter::Action) -> Action {
     match a {
         filter::Action::Continue => Action::Continue,
@@ -153,6 +170,33 @@ impl HttpContext for BareCtx {
 
     fn on_http_request_body(&mut self, size: usize, eos: bool) -> Action {
         action(self.0.on_request_body(&WasmHost, size, eos))
+    }
+}
+
+/// `overhead-noop` builds only: a stream context that holds the request until its body is
+/// complete and reads nothing, the floor of any filter that must see the whole body.
+#[cfg(feature = "overhead-noop")]
+struct NoopCtx;
+
+#[cfg(feature = "overhead-noop")]
+impl Context for NoopCtx {}
+
+#[cfg(feature = "overhead-noop")]
+impl HttpContext for NoopCtx {
+    fn on_http_request_headers(&mut self, _: usize, eos: bool) -> Action {
+        if eos {
+            Action::Continue
+        } else {
+            Action::Pause
+        }
+    }
+
+    fn on_http_request_body(&mut self, _: usize, eos: bool) -> Action {
+        if eos {
+            Action::Continue
+        } else {
+            Action::Pause
+        }
     }
 }
 
