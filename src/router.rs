@@ -3,7 +3,7 @@
 //! record the prefix in the index at pick time. Also the request's later life: first byte,
 //! end, failure. The simulator and the filter both call this; neither has its own policy.
 
-use crate::config::{Config, TtftSource};
+use crate::config::{Config, PolicyName, TtftSource};
 use crate::endpoints::Endpoint;
 use crate::estimator::{cache_check, CacheCheck, Estimate, Estimator, TtftSample, POOL_PRESSURE};
 use crate::index::{AffinityIndex, InsertReceipt};
@@ -110,8 +110,9 @@ pub fn free_distance(blocks: u64, kv_usage: f64) -> u64 {
     (blocks as f64 / (1.0 - used)) as u64
 }
 
-/// Until an endpoint's rate is learned, τ counts R_peak as this many times the prior (the
-/// range of error a preset is expected to have; the policy's own bounds still apply).
+/// Until an endpoint's rate is learned, the tokenaware policy's τ counts R_peak as this many
+/// times the prior (the range of error a preset is expected to have; the policy's bound of
+/// eight prompts' worth still applies).
 const PRIOR_DOUBT: f64 = 4.0;
 
 pub struct Router {
@@ -402,8 +403,11 @@ impl Router {
         // across the fleet, a state that outlasts the learning (simulator, a prior 4x too
         // low: capacity at SLO under 54 req/s in six seeds of ten, against 63 calibrated),
         // while one too high only queues a little longer for the first few seconds. So
-        // until then τ leans sticky.
-        let doubt = match (learned.is_empty(), self.cfg.tau) {
+        // until then τ leans sticky, where the policy bounds τ by the prompt (tokenaware:
+        // eight prompts' worth at most); sticky-until-saturated has no such bound and keeps
+        // llm-d's τ from the prior.
+        let bounded = self.cfg.policy == PolicyName::Tokenaware;
+        let doubt = match (learned.is_empty() && bounded, self.cfg.tau) {
             (true, None) => PRIOR_DOUBT,
             _ => 1.0,
         };
@@ -865,10 +869,10 @@ mod tests {
     fn tau_leans_sticky_until_a_rate_is_learned() {
         // Told R_peak 1,000 tok/s and T_max 1 s (τ 1,000); every endpoint really prefills
         // 2,000 tok/s. Until one is learned the prior may be far off, and a τ too low does
-        // lasting harm: τ counts R_peak at four times the prior. Then it is R̂ × T_max.
-        let (mut r, t, s) = router(
-            r#","peakPrefillThroughput":{"auto":1000},"maxTTFTPenaltyMs":1000,"policy":"sticky-until-saturated""#,
-        );
+        // lasting harm: tokenaware's τ counts R_peak at four times the prior (its prompt
+        // bounds then apply). Then it is R̂ × T_max.
+        let (mut r, t, s) =
+            router(r#","peakPrefillThroughput":{"auto":1000},"maxTTFTPenaltyMs":1000"#);
         let mut learned_tau = None;
         for i in 0..40u64 {
             let chain = r.hash(&chat(&format!("{i} ").repeat(2_000), "q"));
@@ -891,6 +895,16 @@ mod tests {
         }
         let tau = learned_tau.expect("an endpoint learned its rate");
         assert!((tau - 2_000.0).abs() < 300.0, "τ {tau}");
+        // sticky-until-saturated does not bound τ by the prompt: it keeps the prior's.
+        let (mut r, t, s) = router(
+            r#","peakPrefillThroughput":{"auto":1000},"maxTTFTPenaltyMs":1000,"policy":"sticky-until-saturated""#,
+        );
+        for i in 0..2 {
+            let chain = r.hash(&chat(&format!("{i} ").repeat(2_000), "q"));
+            let mut routed = r.route(&s, &t.endpoints, &chain, 2_000, i).unwrap();
+            r.finish(&s, &mut routed, Outcome::Done).unwrap();
+        }
+        assert_eq!(r.params.tau, 1_000.0);
     }
 
     #[test]
