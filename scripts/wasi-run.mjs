@@ -34,8 +34,19 @@ const wasi = new WASI({
 let code;
 try {
   const module = await WebAssembly.compile(await readFile(wasmPath));
-  const instance = await WebAssembly.instantiate(module, wasi.getImportObject());
-  code = wasi.start(instance);
+  const imports = wasi.getImportObject();
+  // A program that links the whole crate (e.g. `examples/decision_cost`) imports the
+  // proxy-wasm hostcalls (`env.*`) without calling them: stubs let it instantiate.
+  const env = {};
+  for (const imp of WebAssembly.Module.imports(module)) {
+    if (imp.module === 'env' && imp.kind === 'function') env[imp.name] = () => 0;
+  }
+  if (Object.keys(env).length > 0) imports.env = env;
+  const instance = await WebAssembly.instantiate(module, imports);
+  // Such a program also exports the reactor's `_initialize`, which node:wasi refuses beside
+  // `_start`: start it through a view without it.
+  const { memory, _start } = instance.exports;
+  code = wasi.start(instance.exports._initialize ? { exports: { memory, _start } } : instance);
 } catch (err) {
   // Rust panics are aborts here: the test harness's captured panic message is lost with the
   // process, so rerun with `-- --nocapture` to see it; WASI_RUN_STACK=1 prints the wasm stack.
