@@ -406,10 +406,10 @@ impl Router {
         // until then τ leans sticky, where the policy bounds τ by the prompt (tokenaware:
         // eight prompts' worth at most); sticky-until-saturated has no such bound and keeps
         // llm-d's τ from the prior.
-        let bounded = self.cfg.policy == PolicyName::Tokenaware;
-        let doubt = match (learned.is_empty() && bounded, self.cfg.tau) {
-            (true, None) => PRIOR_DOUBT,
-            _ => 1.0,
+        let unsure = learned.is_empty() && self.cfg.tau.is_none();
+        let doubt = match unsure && self.cfg.policy == PolicyName::Tokenaware {
+            true => PRIOR_DOUBT,
+            false => 1.0,
         };
         let tau = reference * self.cfg.max_ttft_penalty_ms / 1000.0 * doubt;
         if self.cfg.tau.is_none() && (tau - self.params.tau).abs() > 0.01 * self.params.tau {
