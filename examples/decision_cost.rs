@@ -15,7 +15,7 @@ use tokenaware::endpoints::EndpointTable;
 use tokenaware::request::{parse, ApiKind, ParseLimits};
 use tokenaware::router::{Outcome, Router};
 
-use tokenaware::store::{Cas, MemStore, SharedStore, StoreError};
+use tokenaware::store::{Bytes, Cas, MemStore, SharedStore, StoreError};
 
 /// Counts the store operations the router makes.
 struct Counting {
@@ -25,7 +25,7 @@ struct Counting {
 }
 
 impl SharedStore for Counting {
-    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<Cas>), StoreError> {
+    fn get(&self, key: &str) -> Result<(Option<Bytes>, Option<Cas>), StoreError> {
         self.reads.set(self.reads.get() + 1);
         self.inner.get(key)
     }

@@ -29,7 +29,9 @@
 //! Per model (hashed into a fixed set of keys): bytes per token, from `usage.prompt_tokens`
 //! against the canonical prompt bytes.
 
-use crate::store::{update, SharedStore, StoreError};
+use std::rc::Rc;
+
+use crate::store::{update, SharedStore, SlotKeys, StoreError};
 
 /// Forgetting factor of the overhead fit.
 const LAMBDA: f64 = 0.98;
@@ -519,6 +521,7 @@ pub fn cache_check(
 #[derive(Debug, Clone)]
 pub struct Estimator {
     prefix: String,
+    keys: SlotKeys,
     /// The configured (or preset) R_peak the fit starts from.
     pub prior_rate: f64,
     pub prior_bytes_per_token: f64,
@@ -526,15 +529,17 @@ pub struct Estimator {
 
 impl Estimator {
     pub fn new(namespace: &str, prior_rate: f64, prior_bytes_per_token: f64) -> Estimator {
+        let prefix = format!("{namespace}/est/");
         Estimator {
-            prefix: format!("{namespace}/est/"),
+            keys: SlotKeys::new(&prefix, None),
+            prefix,
             prior_rate,
             prior_bytes_per_token,
         }
     }
 
-    fn key(&self, slot: u16) -> String {
-        format!("{}{slot:x}", self.prefix)
+    fn key(&self, slot: u16) -> Rc<str> {
+        self.keys.get(slot)
     }
 
     fn model_key(&self, model: &str) -> String {

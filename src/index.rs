@@ -26,9 +26,10 @@
 //! still holds, and what a new one would push out (`Match::rank`, `Match::victim_used_s`).
 
 use std::cmp::Reverse;
+use std::rc::Rc;
 
 use crate::store::{
-    key, read_u32, read_u64, update, write_u32, write_u64, SharedStore, StoreError,
+    key, read_u32, read_u64, update, write_u32, write_u64, Bytes, SharedStore, SlotKeys, StoreError,
 };
 
 /// Blocks per index entry.
@@ -113,6 +114,7 @@ struct Held {
 #[derive(Debug, Clone)]
 pub struct AffinityIndex {
     prefix: String,
+    headers: SlotKeys,
     buckets: u64,
 }
 
@@ -131,8 +133,10 @@ impl AffinityIndex {
     /// sized to hold it `headroom` times over (hash collisions evict early otherwise).
     pub fn new(namespace: &str, total_capacity_blocks: u64, headroom: f64) -> Self {
         let entries = (total_capacity_blocks as f64 * headroom / SEGMENT as f64).ceil() as u64;
+        let prefix = format!("{namespace}/ix/");
         AffinityIndex {
-            prefix: format!("{namespace}/ix/"),
+            headers: SlotKeys::new(&prefix, Some('h')),
+            prefix,
             buckets: (entries / WAYS as u64).max(16),
         }
     }
@@ -143,8 +147,8 @@ impl AffinityIndex {
         self.buckets * (key + (WAYS * ENTRY) as u64) + endpoints * (key + HEADER as u64)
     }
 
-    fn header_key(&self, slot: u16) -> String {
-        key(&self.prefix, Some('h'), u64::from(slot))
+    fn header_key(&self, slot: u16) -> Rc<str> {
+        self.headers.get(slot)
     }
 
     fn bucket_key(&self, bucket: u64) -> String {
@@ -152,7 +156,7 @@ impl AffinityIndex {
     }
 
     /// A bucket's ways as stored (see `ways`).
-    fn bucket<S: SharedStore + ?Sized>(&self, s: &S, bucket: u64) -> Result<Vec<u8>, StoreError> {
+    fn bucket<S: SharedStore + ?Sized>(&self, s: &S, bucket: u64) -> Result<Bytes, StoreError> {
         let (v, _) = s.get(&self.bucket_key(bucket))?;
         Ok(v.filter(|v| ways(v).len() == v.len()).unwrap_or_default())
     }
@@ -766,7 +770,7 @@ mod tests {
     struct Counted<'a>(&'a MemStore, std::cell::Cell<usize>);
 
     impl SharedStore for Counted<'_> {
-        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<Cas>), StoreError> {
+        fn get(&self, key: &str) -> Result<(Option<Bytes>, Option<Cas>), StoreError> {
             self.1.set(self.1.get() + 1);
             self.0.get(key)
         }
@@ -1055,7 +1059,7 @@ mod tests {
         ix.insert(&s, 0, &a, 0).unwrap();
         let key = ix.bucket_key(tag(a[0], 0) % ix.buckets);
         let (v, _) = s.get(&key).unwrap();
-        let mut longer = v.unwrap();
+        let mut longer = v.unwrap().to_vec();
         longer.extend_from_slice(&[0u8; 32]);
         s.set(&key, &longer, None).unwrap();
         assert_eq!(ix.matched(&s, 0, &a).unwrap().blocks, 0);

@@ -8,8 +8,10 @@
 //! request TTL is dropped whole, so a charge that is never released (a crashed worker VM)
 //! stops counting after at most TTL + one bucket, with no per-request key in the store.
 
+use std::rc::Rc;
+
 use crate::store::{
-    key, read_u32, read_u64, update, write_u32, write_u64, SharedStore, StoreError,
+    read_u32, read_u64, update, write_u32, write_u64, SharedStore, SlotKeys, StoreError,
 };
 
 const RING: usize = 8;
@@ -49,20 +51,20 @@ impl Charge {
 
 #[derive(Debug, Clone)]
 pub struct LoadLedger {
-    prefix: String,
+    keys: SlotKeys,
     bucket_ms: u64,
 }
 
 impl LoadLedger {
     pub fn new(namespace: &str, ttl_s: u64) -> Self {
         LoadLedger {
-            prefix: format!("{namespace}/ld/"),
+            keys: SlotKeys::new(&format!("{namespace}/ld/"), None),
             bucket_ms: (ttl_s.max(1) * 1000).div_ceil(RING as u64 - 1),
         }
     }
 
-    fn key(&self, slot: u16) -> String {
-        key(&self.prefix, None, u64::from(slot))
+    fn key(&self, slot: u16) -> Rc<str> {
+        self.keys.get(slot)
     }
 
     fn epoch(&self, now_ms: u64) -> u32 {

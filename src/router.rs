@@ -797,7 +797,7 @@ mod tests {
         fn get(
             &self,
             key: &str,
-        ) -> Result<(Option<Vec<u8>>, Option<crate::store::Cas>), StoreError> {
+        ) -> Result<(Option<crate::store::Bytes>, Option<crate::store::Cas>), StoreError> {
             self.0.get(key)
         }
         fn set(

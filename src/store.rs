@@ -5,11 +5,44 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::rc::Rc;
 
-use xxhash_rust::xxh3::{xxh3_64, Xxh3DefaultBuilder};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use xxhash_rust::xxh64::xxh64;
+
+/// Hashes store keys for the in-VM maps and caches: one-shot XXH64 of the key's bytes.
+/// Not XXH3, whose short-input path multiplies 64×64→128 bits (emulated in wasm), and not
+/// a streaming hasher, whose buffering costs more than hashing a 20-byte key.
+#[derive(Default)]
+pub(crate) struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        self.0 = xxh64(bytes, self.0);
+    }
+    /// `str` hashing ends with a 0xff marker byte: folded in without another pass.
+    fn write_u8(&mut self, b: u8) {
+        self.0 = self.0.rotate_left(8) ^ u64::from(b);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type KeyHashes = BuildHasherDefault<KeyHasher>;
+
+fn key_hash(key: &str) -> u64 {
+    xxh64(key.as_bytes(), 0)
+}
 
 /// Version of a stored value, as proxy-wasm's `cas`.
 pub type Cas = u32;
+
+/// A stored value as read. Shared, so the read caches below hand out the same bytes again
+/// without copying them: a decision reads some thirty values of up to 1.3 KB, and in the
+/// VM each copy is an allocation too.
+pub type Bytes = Rc<[u8]>;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StoreError {
@@ -21,7 +54,7 @@ pub enum StoreError {
 
 pub trait SharedStore {
     /// The value and its version; `(None, None)` when the key was never set.
-    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<Cas>), StoreError>;
+    fn get(&self, key: &str) -> Result<(Option<Bytes>, Option<Cas>), StoreError>;
     /// Sets `value` if the stored version still equals `cas` (`None`: unconditionally).
     fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError>;
     /// Whether a key read twice in a row is read from the store only once.
@@ -57,7 +90,7 @@ pub fn update<S: SharedStore + ?Sized, T>(
 /// In-process store with proxy-wasm's semantics (versions start at 1, bump on every set).
 #[derive(Debug, Default)]
 pub struct MemStore {
-    map: RefCell<HashMap<String, (Vec<u8>, Cas), Xxh3DefaultBuilder>>,
+    map: RefCell<HashMap<String, (Bytes, Cas), KeyHashes>>,
     /// Test hook: fail this many upcoming sets with `CasMismatch`, as a racing worker would.
     pub inject_conflicts: std::cell::Cell<u32>,
 }
@@ -86,7 +119,7 @@ impl MemStore {
 }
 
 impl SharedStore for MemStore {
-    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<Cas>), StoreError> {
+    fn get(&self, key: &str) -> Result<(Option<Bytes>, Option<Cas>), StoreError> {
         Ok(match self.map.borrow().get(key) {
             Some((v, c)) => (Some(v.clone()), Some(*c)),
             None => (None, None),
@@ -105,12 +138,11 @@ impl SharedStore for MemStore {
                 if cas.is_some_and(|want| want != 0 && want != *c) {
                     return Err(StoreError::CasMismatch);
                 }
-                v.clear();
-                v.extend_from_slice(value);
+                *v = Bytes::from(value);
                 *c = c.wrapping_add(1).max(1);
             }
             None => {
-                map.insert(key.to_string(), (value.to_vec(), 1));
+                map.insert(key.to_string(), (Bytes::from(value), 1));
             }
         }
         Ok(())
@@ -128,7 +160,7 @@ pub struct ReadCache<'a, S: SharedStore + ?Sized> {
 
 /// A key's hash (compared first: a decision reads some thirty keys that share a long prefix),
 /// the key, its value and version as read.
-type Cached = (u64, String, Option<Vec<u8>>, Option<Cas>);
+type Cached = (u64, String, Option<Bytes>, Option<Cas>);
 
 impl<'a, S: SharedStore + ?Sized> ReadCache<'a, S> {
     pub fn new(inner: &'a S) -> Self {
@@ -140,8 +172,8 @@ impl<'a, S: SharedStore + ?Sized> ReadCache<'a, S> {
 }
 
 impl<S: SharedStore + ?Sized> SharedStore for ReadCache<'_, S> {
-    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<Cas>), StoreError> {
-        let h = xxh3_64(key.as_bytes());
+    fn get(&self, key: &str) -> Result<(Option<Bytes>, Option<Cas>), StoreError> {
+        let h = key_hash(key);
         let hit = |(kh, k, _, _): &&Cached| *kh == h && k == key;
         if let Some((_, _, v, c)) = self.cache.borrow().iter().find(hit) {
             return Ok((v.clone(), *c));
@@ -173,13 +205,13 @@ impl<S: SharedStore + ?Sized> SharedStore for ReadCache<'_, S> {
 pub struct RecentReads {
     max_age_ms: u64,
     max_bytes: usize,
-    map: RefCell<HashMap<String, Recent, Xxh3DefaultBuilder>>,
+    map: RefCell<HashMap<String, Recent, KeyHashes>>,
     bytes: Cell<usize>,
 }
 
 #[derive(Debug)]
 struct Recent {
-    value: Option<Vec<u8>>,
+    value: Option<Bytes>,
     cas: Option<Cas>,
     read_ms: u64,
 }
@@ -229,14 +261,14 @@ impl RecentReads {
         self.bytes.get()
     }
 
-    fn kept(&self, key: &str, now_ms: u64) -> Option<(Option<Vec<u8>>, Option<Cas>)> {
+    fn kept(&self, key: &str, now_ms: u64) -> Option<(Option<Bytes>, Option<Cas>)> {
         let map = self.map.try_borrow().ok()?;
         let r = map.get(key)?;
         let age = now_ms.checked_sub(r.read_ms)?;
         (age < self.max_age_ms).then(|| (r.value.clone(), r.cas))
     }
 
-    fn keep(&self, key: &str, value: &Option<Vec<u8>>, cas: Option<Cas>, now_ms: u64) {
+    fn keep(&self, key: &str, value: &Option<Bytes>, cas: Option<Cas>, now_ms: u64) {
         let Ok(mut map) = self.map.try_borrow_mut() else {
             return;
         };
@@ -277,8 +309,8 @@ impl RecentReads {
 }
 
 /// What a kept read counts against the bound: its value and about what the map spends on it.
-fn held_bytes(value: &Option<Vec<u8>>) -> usize {
-    value.as_ref().map_or(0, Vec::len) + 64
+fn held_bytes(value: &Option<Bytes>) -> usize {
+    value.as_ref().map_or(0, |v| v.len()) + 64
 }
 
 /// A store seen through [`RecentReads`].
@@ -290,7 +322,7 @@ pub struct RecentView<'a, S: SharedStore + ?Sized> {
 }
 
 impl<S: SharedStore + ?Sized> SharedStore for RecentView<'_, S> {
-    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<Cas>), StoreError> {
+    fn get(&self, key: &str) -> Result<(Option<Bytes>, Option<Cas>), StoreError> {
         let Some(now) = self.now_ms.filter(|_| self.reads.max_age_ms > 0) else {
             return self.inner.get(key);
         };
@@ -310,6 +342,41 @@ impl<S: SharedStore + ?Sized> SharedStore for RecentView<'_, S> {
         // Whatever the outcome: after a write the stored version is unknown here.
         self.reads.forget(key);
         self.inner.set(key, value, cas)
+    }
+}
+
+/// The keys of a table's per-endpoint values (`prefix`, a tag, the slot in hex), each built
+/// once: a decision reads several per endpoint, and building one is an allocation.
+#[derive(Debug, Clone)]
+pub(crate) struct SlotKeys {
+    prefix: String,
+    tag: Option<char>,
+    built: RefCell<Vec<Rc<str>>>,
+}
+
+/// Slots whose keys are kept (`maxEndpoints` is at most 4,096); above, keys are built.
+const KEPT_SLOT_KEYS: usize = 4_096;
+
+impl SlotKeys {
+    pub(crate) fn new(prefix: &str, tag: Option<char>) -> SlotKeys {
+        SlotKeys {
+            prefix: prefix.to_string(),
+            tag,
+            built: RefCell::new(Vec::new()),
+        }
+    }
+
+    pub(crate) fn get(&self, slot: u16) -> Rc<str> {
+        let slot = usize::from(slot);
+        let build = |n: usize| Rc::from(key(&self.prefix, self.tag, n as u64));
+        let Ok(mut built) = self.built.try_borrow_mut() else {
+            return build(slot);
+        };
+        while built.len() <= slot && built.len() < KEPT_SLOT_KEYS {
+            let next = build(built.len());
+            built.push(next);
+        }
+        built.get(slot).cloned().unwrap_or_else(|| build(slot))
     }
 }
 
@@ -369,7 +436,7 @@ mod tests {
     }
 
     impl SharedStore for Counted {
-        fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<Cas>), StoreError> {
+        fn get(&self, key: &str) -> Result<(Option<Bytes>, Option<Cas>), StoreError> {
             self.reads.set(self.reads.get() + 1);
             self.store.get(key)
         }
@@ -383,16 +450,28 @@ mod tests {
         let s = Counted::default();
         s.store.set("k", b"1", None).unwrap();
         let recent = RecentReads::new(5, 1 << 20);
-        assert_eq!(recent.at(&s, 100).get("k").unwrap().0.unwrap(), b"1");
+        assert_eq!(
+            recent.at(&s, 100).get("k").unwrap().0.as_deref().unwrap(),
+            b"1"
+        );
         // Another worker writes: a decision within 5 ms still sees the kept read.
         s.store.set("k", b"2", None).unwrap();
-        assert_eq!(recent.at(&s, 104).get("k").unwrap().0.unwrap(), b"1");
+        assert_eq!(
+            recent.at(&s, 104).get("k").unwrap().0.as_deref().unwrap(),
+            b"1"
+        );
         assert_eq!(s.reads.get(), 1);
         // 5 ms after the read it is read again.
-        assert_eq!(recent.at(&s, 105).get("k").unwrap().0.unwrap(), b"2");
+        assert_eq!(
+            recent.at(&s, 105).get("k").unwrap().0.as_deref().unwrap(),
+            b"2"
+        );
         assert_eq!(s.reads.get(), 2);
         // A clock that went back never trusts the kept read.
-        assert_eq!(recent.at(&s, 90).get("k").unwrap().0.unwrap(), b"2");
+        assert_eq!(
+            recent.at(&s, 90).get("k").unwrap().0.as_deref().unwrap(),
+            b"2"
+        );
         assert_eq!(s.reads.get(), 3);
         // A fresh view always reads.
         recent.fresh(&s).get("k").unwrap();
@@ -413,13 +492,13 @@ mod tests {
         view.get("k").unwrap();
         // Our own write, then a read at the same instant: the write, not the kept read.
         update(&view, "k", |old| Some(([old, b"b"].concat(), ()))).unwrap();
-        assert_eq!(view.get("k").unwrap().0.unwrap(), b"ab");
+        assert_eq!(view.get("k").unwrap().0.as_deref().unwrap(), b"ab");
         // Another worker writes behind the kept read; an update from it conflicts once,
         // drops it and lands on the fresh value.
         s.set("k", b"X", None).unwrap();
-        assert_eq!(view.get("k").unwrap().0.unwrap(), b"ab");
+        assert_eq!(view.get("k").unwrap().0.as_deref().unwrap(), b"ab");
         update(&view, "k", |old| Some(([old, b"c"].concat(), ()))).unwrap();
-        assert_eq!(s.get("k").unwrap().0.unwrap(), b"Xc");
+        assert_eq!(s.get("k").unwrap().0.as_deref().unwrap(), b"Xc");
         recent.clear();
         assert_eq!(recent.bytes(), 0);
     }
@@ -439,7 +518,14 @@ mod tests {
         // A value larger than the whole bound is read, never kept.
         s.set("big", &[0u8; 20_000], None).unwrap();
         assert_eq!(
-            recent.at(&s, 1).get("big").unwrap().0.unwrap().len(),
+            recent
+                .at(&s, 1)
+                .get("big")
+                .unwrap()
+                .0
+                .as_deref()
+                .unwrap()
+                .len(),
             20_000
         );
         assert!(recent.bytes() <= 10_000);
@@ -453,7 +539,7 @@ mod tests {
         let (_, c) = s.get("k").unwrap();
         s.set("k", b"b", c).unwrap();
         assert_eq!(s.set("k", b"c", c), Err(StoreError::CasMismatch));
-        assert_eq!(s.get("k").unwrap().0.unwrap(), b"b");
+        assert_eq!(s.get("k").unwrap().0.as_deref().unwrap(), b"b");
     }
 
     #[test]
@@ -465,12 +551,24 @@ mod tests {
     }
 
     #[test]
+    fn slot_keys_are_the_keys_built_each_time() {
+        let keys = SlotKeys::new("ns/ix/", Some('h'));
+        for slot in [3u16, 0, 17, 3] {
+            assert_eq!(&*keys.get(slot), key("ns/ix/", Some('h'), u64::from(slot)));
+        }
+        assert_eq!(keys.built.borrow().len(), 18);
+        // Kept up to the bound only: a slot past it is built, not stored.
+        assert_eq!(&*keys.get(u16::MAX), key("ns/ix/", Some('h'), 0xffff));
+        assert_eq!(keys.built.borrow().len(), KEPT_SLOT_KEYS);
+    }
+
+    #[test]
     fn update_retries_conflicts() {
         let s = MemStore::new();
         s.inject_conflicts.set(3);
         let r = update(&s, "n", |old| Some((vec![old.len() as u8 + 1], ()))).unwrap();
         assert_eq!(r, Some(()));
-        assert_eq!(s.get("n").unwrap().0.unwrap(), vec![1]);
+        assert_eq!(s.get("n").unwrap().0.as_deref().unwrap(), vec![1]);
         s.inject_conflicts.set(CAS_RETRIES as u32);
         assert_eq!(
             update(&s, "n", |_| Some((vec![9], ()))),
@@ -483,13 +581,13 @@ mod tests {
         let s = MemStore::new();
         s.set("k", b"1", None).unwrap();
         let c = ReadCache::new(&s);
-        assert_eq!(c.get("k").unwrap().0.unwrap(), b"1");
+        assert_eq!(c.get("k").unwrap().0.as_deref().unwrap(), b"1");
         // Another worker writes behind the cache's back.
         s.set("k", b"2", None).unwrap();
-        assert_eq!(c.get("k").unwrap().0.unwrap(), b"1");
+        assert_eq!(c.get("k").unwrap().0.as_deref().unwrap(), b"1");
         // A CAS update through the cache sees the conflict, drops the entry and retries fresh.
         update(&c, "k", |old| Some(([old, b"+"].concat(), ()))).unwrap();
-        assert_eq!(s.get("k").unwrap().0.unwrap(), b"2+");
+        assert_eq!(s.get("k").unwrap().0.as_deref().unwrap(), b"2+");
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 
 use super::host::{Host, HostError, Level, MetricKind, VmMemory};
-use crate::store::{Cas, MemStore, SharedStore, StoreError};
+use crate::store::{Bytes, Cas, MemStore, SharedStore, StoreError};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Dispatched {
@@ -171,7 +171,7 @@ impl FakeHost {
 }
 
 impl SharedStore for FakeHost {
-    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<Cas>), StoreError> {
+    fn get(&self, key: &str) -> Result<(Option<Bytes>, Option<Cas>), StoreError> {
         self.count("get");
         if self.store_down.get() {
             return Err(StoreError::Host);

@@ -10,7 +10,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType, Status};
 
 use crate::filter::{Host, HostError, Level, MetricKind, VmMemory};
-use crate::store::{Cas, SharedStore, StoreError};
+use crate::store::{Bytes, Cas, SharedStore, StoreError};
 
 pub struct WasmHost;
 
@@ -44,8 +44,9 @@ fn err(s: Status) -> HostError {
 }
 
 impl SharedStore for WasmHost {
-    fn get(&self, key: &str) -> Result<(Option<Vec<u8>>, Option<Cas>), StoreError> {
-        hostcalls::get_shared_data(key).map_err(|s| err(s).into())
+    fn get(&self, key: &str) -> Result<(Option<Bytes>, Option<Cas>), StoreError> {
+        let (value, cas) = hostcalls::get_shared_data(key).map_err(|s| StoreError::from(err(s)))?;
+        Ok((value.map(Bytes::from), cas))
     }
 
     fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
