@@ -7,6 +7,8 @@ use serde_json::{Map, Value};
 use std::io::Write;
 use xxhash_rust::xxh3::Xxh3;
 
+mod borrowed;
+
 const US: u8 = 0x1F;
 const RS: u8 = 0x1E;
 
@@ -128,6 +130,20 @@ pub fn parse(
     if body.len() > limits.max_body_bytes {
         return Err(ParseError::TooLarge);
     }
+    if kind == ApiKind::ChatCompletions {
+        if let Some((fields, prompt)) = borrowed::chat(body, limits.max_depth) {
+            return Ok(request(fields, prompt, None));
+        }
+    }
+    parse_tree(kind, body, limits)
+}
+
+/// `parse` by walking a JSON tree: every kind, every shape, and the error when there is one.
+fn parse_tree(
+    kind: ApiKind,
+    body: &[u8],
+    limits: &ParseLimits,
+) -> Result<InferenceRequest, ParseError> {
     // serde_json stops at 128 levels with an error (no stack overflow); the tree walk then
     // applies the configured depth. Both cost nothing per byte, unlike a pre-scan.
     let value: Value = serde_json::from_slice(body).map_err(|e| {
@@ -158,18 +174,36 @@ pub fn parse(
         ApiKind::ChatCompletions => chat(&obj, &mut out).map(|()| None)?,
         ApiKind::Responses => responses(&obj, &mut out).map(|()| None)?,
     };
-    // Bodies that are mostly base64 media shrink a lot; do not hold the reservation.
-    if out.capacity() > 2 * out.len() + 4096 {
-        out.shrink_to_fit();
-    }
-    Ok(InferenceRequest {
+    let fields = Fields {
         model,
-        prompt: out,
-        prompt_token_ids,
         stream,
         max_tokens,
         cache_salt,
-    })
+    };
+    Ok(request(fields, out, prompt_token_ids))
+}
+
+/// The scheduling fields, however the body was read.
+struct Fields {
+    model: String,
+    stream: bool,
+    max_tokens: Option<u64>,
+    cache_salt: Option<String>,
+}
+
+fn request(f: Fields, mut prompt: Vec<u8>, prompt_token_ids: Option<u64>) -> InferenceRequest {
+    // Bodies that are mostly base64 media shrink a lot; do not hold the reservation.
+    if prompt.capacity() > 2 * prompt.len() + 4096 {
+        prompt.shrink_to_fit();
+    }
+    InferenceRequest {
+        model: f.model,
+        prompt,
+        prompt_token_ids,
+        stream: f.stream,
+        max_tokens: f.max_tokens,
+        cache_salt: f.cache_salt,
+    }
 }
 
 /// True when arrays and objects nest more than `max_depth` levels.
@@ -268,12 +302,12 @@ fn chat(obj: &Map<String, Value>, out: &mut Vec<u8>) -> Result<(), ParseError> {
         Some(Value::Array(m)) => m,
         Some(_) => return Err(ParseError::WrongType("messages")),
     };
-    push_tools(obj, out)?;
+    push_tools(obj.get("tools"), out)?;
     for message in messages {
         let message = message
             .as_object()
             .ok_or(ParseError::WrongType("messages"))?;
-        push_message(message, out)?;
+        push_message(&Message::of(message)?, out)?;
     }
     Ok(())
 }
@@ -286,7 +320,7 @@ fn responses(obj: &Map<String, Value>, out: &mut Vec<u8>) -> Result<(), ParseErr
         Some(v @ (Value::String(_) | Value::Array(_))) => v,
         Some(_) => return Err(ParseError::WrongType("input")),
     };
-    push_tools(obj, out)?;
+    push_tools(obj.get("tools"), out)?;
     if let Some(text) = opt_str(obj, "instructions")? {
         out.extend_from_slice(b"system\x1f");
         out.extend_from_slice(text.as_bytes());
@@ -302,7 +336,7 @@ fn responses(obj: &Map<String, Value>, out: &mut Vec<u8>) -> Result<(), ParseErr
     for item in items {
         let item = item.as_object().ok_or(ParseError::WrongType("input"))?;
         if item.contains_key("role") || item.contains_key("content") {
-            push_message(item, out)?;
+            push_message(&Message::of(item)?, out)?;
         } else {
             // function_call, function_call_output, reasoning, ...: keep them whole.
             let kind = item.get("type").and_then(Value::as_str).unwrap_or("item");
@@ -316,8 +350,8 @@ fn responses(obj: &Map<String, Value>, out: &mut Vec<u8>) -> Result<(), ParseErr
 }
 
 /// Tools go first: they precede the conversation in every chat template.
-fn push_tools(obj: &Map<String, Value>, out: &mut Vec<u8>) -> Result<(), ParseError> {
-    match obj.get("tools") {
+fn push_tools(tools: Option<&Value>, out: &mut Vec<u8>) -> Result<(), ParseError> {
+    match tools {
         None | Some(Value::Null) => Ok(()),
         Some(Value::Array(a)) if a.is_empty() => Ok(()),
         Some(tools) => {
@@ -333,25 +367,55 @@ fn write_json<T: serde::Serialize>(value: &T, out: &mut Vec<u8>) -> Result<(), P
     serde_json::to_writer(out, value).map_err(|_| ParseError::NotJson)
 }
 
-/// One chat message or responses message item, as one `RS`-terminated record.
-fn push_message(message: &Map<String, Value>, out: &mut Vec<u8>) -> Result<(), ParseError> {
-    let role = opt_str(message, "role")?.unwrap_or_default();
-    out.extend_from_slice(role.as_bytes());
+/// What a chat message (or responses message item) contributes, however it was read.
+struct Message<'v> {
+    role: &'v str,
+    content: Content<'v>,
+    /// `tool_calls`, `name`, `tool_call_id` (in that order), when set and not null.
+    extras: [Option<&'v Value>; 3],
+}
+
+enum Content<'v> {
+    Absent,
+    Text(&'v str),
+    Parts(&'v [Value]),
+}
+
+const EXTRAS: [&str; 3] = ["tool_calls", "name", "tool_call_id"];
+
+impl<'v> Message<'v> {
+    fn of(message: &'v Map<String, Value>) -> Result<Message<'v>, ParseError> {
+        let role = opt_str(message, "role")?.unwrap_or_default();
+        let content = match message.get("content") {
+            None | Some(Value::Null) => Content::Absent,
+            Some(Value::String(s)) => Content::Text(s),
+            Some(Value::Array(parts)) => Content::Parts(parts),
+            Some(_) => return Err(ParseError::WrongType("content")),
+        };
+        let extras = EXTRAS.map(|field| message.get(field).filter(|v| !v.is_null()));
+        Ok(Message {
+            role,
+            content,
+            extras,
+        })
+    }
+}
+
+/// One message as one `RS`-terminated record.
+fn push_message(message: &Message, out: &mut Vec<u8>) -> Result<(), ParseError> {
+    out.extend_from_slice(message.role.as_bytes());
     out.push(US);
-    match message.get("content") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) => out.extend_from_slice(s.as_bytes()),
-        Some(Value::Array(parts)) => {
+    match message.content {
+        Content::Absent => {}
+        Content::Text(s) => out.extend_from_slice(s.as_bytes()),
+        Content::Parts(parts) => {
             for part in parts {
                 push_part(part, out)?;
             }
         }
-        Some(_) => return Err(ParseError::WrongType("content")),
     }
-    for field in ["tool_calls", "name", "tool_call_id"] {
-        let Some(value) = message.get(field).filter(|v| !v.is_null()) else {
-            continue;
-        };
+    for (field, value) in EXTRAS.iter().zip(message.extras) {
+        let Some(value) = value else { continue };
         out.push(US);
         out.extend_from_slice(field.as_bytes());
         out.push(b'=');
@@ -598,6 +662,20 @@ mod tests {
     }
 
     #[test]
+    fn common_chat_bodies_are_read_without_a_tree() {
+        let limits = ParseLimits::default();
+        let bodies = [
+            chat_body(&[("system", "s"), ("user", "q \"quoted\" \u{e9}\n")], true),
+            r#"{"model":"m","stream":true,"max_tokens":3,"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"u"}}]},{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]},{"role":"tool","tool_call_id":"1","content":"r"}],"temperature":0.2,"metadata":{"a":[1]}}"#.to_string(),
+        ];
+        for body in bodies {
+            let (f, prompt) = borrowed::chat(body.as_bytes(), limits.max_depth).unwrap();
+            let tree = parse_tree(Chat, body.as_bytes(), &limits).unwrap();
+            assert_eq!(request(f, prompt, None), tree);
+        }
+    }
+
+    #[test]
     fn many_messages() {
         let turns = vec![("user", "hello there"); 50_000];
         let r = p(Chat, &chat_body(&turns, true)).unwrap();
@@ -624,6 +702,168 @@ mod tests {
         fn all_kinds(body: &[u8]) {
             for kind in [Comp, Chat, Resp] {
                 let _ = parse(kind, body, &ParseLimits::default());
+            }
+        }
+
+        /// JSON text of a value nested `depth` levels (arrays and objects alternating).
+        fn nested(depth: usize) -> String {
+            (0..depth).fold("1".to_string(), |inner, i| match i % 2 {
+                0 => format!("[{inner}]"),
+                _ => format!(r#"{{"k":{inner}}}"#),
+            })
+        }
+
+        fn one_of(options: &'static [&'static str]) -> impl Strategy<Value = String> {
+            prop::sample::select(options).prop_map(str::to_string)
+        }
+
+        fn part() -> impl Strategy<Value = String> {
+            one_of(&[
+                r#""plain""#,
+                r#"{"type":"text","text":"t\u00e9"}"#,
+                r#"{"type":"input_text","text":"u"}"#,
+                r#"{"type":"image_url","image_url":{"url":"u","b":[1,{"c":2}]}}"#,
+                r#"{"type":"text"}"#,
+                r#"{"text":"no type"}"#,
+                "3",
+            ])
+        }
+
+        fn content() -> impl Strategy<Value = String> {
+            prop_oneof![
+                one_of(&[
+                    r#""hello""#,
+                    r#""esc\"aped\n\u00e9""#,
+                    "null",
+                    r#""""#,
+                    "{}",
+                    "5"
+                ]),
+                prop::collection::vec(part(), 0..4).prop_map(|p| format!("[{}]", p.join(","))),
+            ]
+        }
+
+        fn message() -> impl Strategy<Value = String> {
+            let field = prop_oneof![
+                one_of(&[
+                    r#""role":"user""#,
+                    r#""role":null"#,
+                    r#""role":3"#,
+                    r#""role":"a\tb""#
+                ]),
+                content().prop_map(|c| format!(r#""content":{c}"#)),
+                one_of(&[
+                    r#""tool_calls":[{"id":"1","function":{"name":"f","arguments":"{}"}}]"#,
+                    r#""tool_calls":null"#,
+                    r#""name":"n""#,
+                    r#""name":7"#,
+                    r#""tool_call_id":"c""#,
+                    r#""weight":1.5"#,
+                ]),
+                (0usize..70).prop_map(|d| format!(r#""deep":{}"#, nested(d))),
+            ];
+            prop_oneof![
+                prop::collection::vec(field, 0..6).prop_map(|f| format!("{{{}}}", f.join(","))),
+                one_of(&[r#""text""#, "null", "[]"]),
+            ]
+        }
+
+        fn top_field() -> impl Strategy<Value = String> {
+            prop_oneof![
+                4 => one_of(&[r#""model":"m""#, r#""model":"""#, r#""model":null"#, r#""model":5"#, r#""m\u006fdel":"e""#]),
+                2 => one_of(&[r#""stream":true"#, r#""stream":null"#, r#""stream":"x""#]),
+                2 => one_of(&[
+                    r#""max_tokens":7"#, r#""max_tokens":null"#, r#""max_tokens":5.0"#,
+                    r#""max_completion_tokens":9"#, r#""max_output_tokens":-1"#, r#""max_tokens":"3""#,
+                ]),
+                1 => one_of(&[r#""cache_salt":"s""#, r#""cache_salt":"""#, r#""cache_salt":1"#]),
+                2 => one_of(&[r#""tools":[]"#, r#""tools":null"#, r#""tools":[{"b":1,"a":[2]}]"#, r#""tools":{"x":1}"#]),
+                6 => prop::collection::vec(message(), 0..4)
+                    .prop_map(|m| format!(r#""messages":[{}]"#, m.join(","))),
+                1 => one_of(&[r#""messages":null"#, r#""messages":"x""#, r#""prompt":"p""#]),
+                2 => (0usize..70).prop_map(|d| format!(r#""extra":{}"#, nested(d))),
+                1 => (0usize..66).prop_map(|d| format!(r#""tools":{}"#, nested(d))),
+            ]
+        }
+
+        /// A value nested about as deep as `max_depth` allows at one of the places the
+        /// borrowed read handles differently (skipped, kept as a `Value`, a part).
+        fn near_the_limit(max_depth: usize, place: usize, delta: isize) -> (String, String) {
+            // Where the value sits: the body is depth 0.
+            let at = [1, 1, 3, 4, 3][place % 5];
+            let d = (max_depth as isize - at as isize + delta).max(0) as usize;
+            let v = nested(d);
+            let (top, message) = match place % 5 {
+                0 => (
+                    format!(r#""extra":{v}"#),
+                    r#"{"role":"user","content":"x"}"#.to_string(),
+                ),
+                1 => (
+                    format!(r#""tools":{v}"#),
+                    r#"{"role":"user","content":"x"}"#.to_string(),
+                ),
+                2 => (
+                    String::new(),
+                    format!(r#"{{"role":"user","content":"x","meta":{v}}}"#),
+                ),
+                3 => (
+                    String::new(),
+                    format!(r#"{{"role":"user","content":["a",{v}]}}"#),
+                ),
+                _ => (
+                    String::new(),
+                    format!(r#"{{"role":"assistant","tool_calls":{v}}}"#),
+                ),
+            };
+            (top, message)
+        }
+
+        fn check_against_tree(body: &str, max_depth: usize) -> Result<(), TestCaseError> {
+            let limits = ParseLimits {
+                max_depth,
+                ..ParseLimits::default()
+            };
+            let tree = parse_tree(Chat, body.as_bytes(), &limits);
+            prop_assert_eq!(parse(Chat, body.as_bytes(), &limits), tree.clone());
+            if let Some((f, prompt)) = borrowed::chat(body.as_bytes(), max_depth) {
+                prop_assert_eq!(Ok(request(f, prompt, None)), tree);
+            }
+            Ok(())
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2_000))]
+            /// Whatever the borrowed read accepts, it reads as the tree walk does; for what
+            /// it declines, `parse` gives the tree walk's answer.
+            #[test]
+            fn borrowed_chat_reads_as_the_tree(
+                fields in prop::collection::vec(top_field(), 0..8),
+                messages in prop::collection::vec(message(), 0..4),
+                max_depth in prop_oneof![Just(64usize), 8usize..12, 0usize..8],
+            ) {
+                let body = format!("{{{}}}", fields.join(","));
+                check_against_tree(&body, max_depth)?;
+                // The same fields before a model and messages that read.
+                let tail = format!(r#""model":"m","messages":[{}]"#, messages.join(","));
+                let body = format!("{{{}}}", fields.into_iter().chain([tail]).collect::<Vec<_>>().join(","));
+                check_against_tree(&body, max_depth)?;
+            }
+
+            /// Around the depth limit, at each place the borrowed read counts depth itself.
+            #[test]
+            fn borrowed_chat_keeps_the_depth_rule(
+                place in 0usize..5,
+                delta in -2isize..3,
+                max_depth in prop_oneof![Just(64usize), 8usize..12],
+                extra in prop::collection::vec(message(), 0..2),
+            ) {
+                let (top, message) = near_the_limit(max_depth, place, delta);
+                let messages = std::iter::once(message).chain(extra).collect::<Vec<_>>().join(",");
+                let mut fields = vec![r#""model":"m""#.to_string(), format!(r#""messages":[{messages}]"#)];
+                if !top.is_empty() {
+                    fields.insert(1, top);
+                }
+                check_against_tree(&format!("{{{}}}", fields.join(",")), max_depth)?;
             }
         }
 
