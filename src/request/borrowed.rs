@@ -89,7 +89,7 @@ impl OwnedMessage<'_> {
                 Owned::Text(t) => Content::Text(t),
                 Owned::Parts(p) => Content::Parts(p),
             },
-            extras: [0, 1, 2].map(|i| self.extras[i].as_ref()),
+            extras: self.extras.each_ref().map(Option::as_ref),
         }
     }
 }
@@ -188,7 +188,12 @@ impl<'de> Visitor<'de> for ChatSeed {
             match key {
                 Key::Model => chat.model = text(&mut map)?,
                 Key::Stream => chat.stream = map.next_value()?,
-                Key::MaxTokens(i) => chat.max_tokens[i] = map.next_value()?,
+                Key::MaxTokens(i) => {
+                    let v = map.next_value()?;
+                    if let Some(slot) = chat.max_tokens.get_mut(i) {
+                        *slot = v;
+                    }
+                }
                 Key::CacheSalt => chat.cache_salt = text(&mut map)?,
                 Key::Messages => chat.messages = map.next_value_seed(MessagesSeed(self))?,
                 Key::Tools => chat.tools = map.next_value()?,
@@ -255,7 +260,12 @@ impl<'de> Visitor<'de> for MessageSeed {
             match key {
                 Key::Role => m.role = text(&mut map)?,
                 Key::Content => m.content = map.next_value::<ContentValue>()?.0,
-                Key::Extra(i) => m.extras[i] = map.next_value()?,
+                Key::Extra(i) => {
+                    let v = map.next_value()?;
+                    if let Some(slot) = m.extras.get_mut(i) {
+                        *slot = v;
+                    }
+                }
                 // A message's fields sit at depth 3.
                 _ => map.next_value_seed(Skip(self.0.max_depth as isize - 3))?,
             }
