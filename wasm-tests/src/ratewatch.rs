@@ -83,10 +83,27 @@ pub fn observe(
     }
 }
 
+/// One poll of every endpoint's estimate, for a trace of the run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Poll {
+    /// Seconds (wall) since the watch started.
+    pub t_s: f64,
+    /// Per slot: the learned rate and the TTFT samples behind it.
+    pub rates: Vec<(Option<i64>, Option<i64>)>,
+}
+
+/// What a watch saw: per slot the estimate at the count and the worst after it, and
+/// every poll.
+#[derive(Debug, Clone, Default)]
+pub struct Watched {
+    pub reached: Vec<Option<Reached>>,
+    pub trace: Vec<Poll>,
+}
+
 /// Polls until [`RateWatch::finish`]; stops by itself after `max` in any case.
 pub struct RateWatch {
     stop: Arc<AtomicBool>,
-    handle: Option<JoinHandle<Vec<Option<Reached>>>>,
+    handle: Option<JoinHandle<Watched>>,
 }
 
 impl RateWatch {
@@ -101,17 +118,23 @@ impl RateWatch {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let handle = std::thread::spawn(move || {
-            let mut reached = vec![None; truth.len()];
-            let deadline = std::time::Instant::now() + max;
+            let mut seen = Watched {
+                reached: vec![None; truth.len()],
+                trace: Vec::new(),
+            };
+            let start = std::time::Instant::now();
+            let deadline = start + max;
             let path = format!("/stats?filter=^{PREFIX}");
             while !flag.load(Ordering::Relaxed) && std::time::Instant::now() < deadline {
                 if let Ok((200, body)) = http_get(admin_port, &path) {
                     let poll = parse_rates(&body, truth.len());
-                    observe(&mut reached, &poll, &truth, at_samples);
+                    observe(&mut seen.reached, &poll, &truth, at_samples);
+                    let t_s = start.elapsed().as_secs_f64();
+                    seen.trace.push(Poll { t_s, rates: poll });
                 }
                 std::thread::sleep(every);
             }
-            reached
+            seen
         });
         RateWatch {
             stop,
@@ -119,7 +142,7 @@ impl RateWatch {
         }
     }
 
-    pub fn finish(mut self) -> Vec<Option<Reached>> {
+    pub fn finish(mut self) -> Watched {
         self.stop.store(true, Ordering::Relaxed);
         self.handle
             .take()

@@ -35,7 +35,7 @@ use serde_json::json;
 use wasm_tests::envoy::{repo_root, Envoy, FallbackLb, GatewayConfig};
 use wasm_tests::fleet::{Fleet, FleetConfig, Timing, MODEL};
 use wasm_tests::loadgen::{self, Stage, Summary, Target, Workload, WorkloadKind};
-use wasm_tests::ratewatch::{RateWatch, Reached};
+use wasm_tests::ratewatch::{Poll, RateWatch, Reached};
 
 const TARGETS: [&str; 6] = [
     "envoy-round-robin",
@@ -103,7 +103,8 @@ struct Args {
     #[arg(long)]
     plugin_extra: Option<String>,
     /// Also write every request's record (endpoint, TTFT, hits) to
-    /// OUT_DIR/records/WORKLOAD/TARGET.json, one array per stage.
+    /// OUT_DIR/records/WORKLOAD/TARGET.json, one array per stage, and a learning target's
+    /// rates polled during the run to TARGET.rates.json beside it.
     #[arg(long)]
     records: bool,
     /// Only draw the plots from existing results (`--results`, default
@@ -630,6 +631,20 @@ impl LadderEnd {
     }
 }
 
+/// The learned rates polled during a target's ladder: OUT_DIR/records/WORKLOAD/TARGET.rates.json.
+fn write_rate_trace(
+    out: &Path,
+    workload: &str,
+    target: &str,
+    trace: &[Poll],
+) -> anyhow::Result<()> {
+    let dir = out.join("records").join(workload);
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join(format!("{}.rates.json", target.replace(' ', "_")));
+    std::fs::write(&path, serde_json::to_vec(trace)?)?;
+    Ok(())
+}
+
 fn write_records(out: &Path, workload: &str, target: &str, stages: &[Stage]) -> anyhow::Result<()> {
     let dir = out.join("records").join(workload);
     std::fs::create_dir_all(&dir)?;
@@ -648,6 +663,7 @@ async fn run_one(
     target: &str,
     seed: u64,
     gateways: usize,
+    trace_dir: Option<&Path>,
 ) -> anyhow::Result<Vec<Stage>> {
     let fleet = Fleet::start_on_free_ports(fleet_config(kind, p))?;
     let eps = fleet.endpoints();
@@ -685,7 +701,11 @@ async fn run_one(
     )
     .await;
     if let Some(w) = watch {
-        report_watched(&w.finish(), target);
+        let seen = w.finish();
+        report_watched(&seen.reached, target);
+        if let Some(dir) = trace_dir {
+            write_rate_trace(dir, kind.name(), target, &seen.trace)?;
+        }
     }
     for gw in &gws {
         report_learned(gw, p, eps.len(), target);
@@ -766,6 +786,7 @@ async fn main() -> anyhow::Result<()> {
             kind, p.rates, p.stage_duration, p.scale, p.time_factor, p.slo_s
         );
         let mut table: Vec<TargetResult> = Vec::new();
+        let trace_dir = a.records.then_some(a.out_dir.as_path());
         let jobs: Vec<(String, usize)> = targets
             .iter()
             .flat_map(|t| a.gateways.iter().map(move |&g| (t.clone(), g)))
@@ -777,7 +798,7 @@ async fn main() -> anyhow::Result<()> {
                 name.clone()
             };
             let t0 = Instant::now();
-            let stages = match run_one(kind, &p, name, a.seed, *gateways).await {
+            let stages = match run_one(kind, &p, name, a.seed, *gateways, trace_dir).await {
                 Ok(s) => s,
                 Err(e) => {
                     let msg = format!("{kind}/{target}: skipped: {e:#}");
