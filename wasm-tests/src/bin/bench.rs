@@ -50,14 +50,21 @@ const TARGETS: [&str; 6] = [
 /// from a start 4× too high or too low, the same wrong R_peak fixed, and the latency
 /// configuration (learned predictor, latency scorer, weighted-random picker);
 /// `tokenaware-auto` learns from the right start (for `--slow-endpoints`, where one global
-/// R_peak cannot be right).
-const LEARNING_TARGETS: [&str; 5] = [
+/// R_peak cannot be right). `tokenaware-fixed` is the correctly calibrated run the learning
+/// targets are held against: the fleet's R_peak and T_max in real time, as they are told
+/// (`tokenaware-prefill` is told both in model time, so its τ is the same but T_max, where
+/// it counts alone, is 1 / time factor as long).
+const LEARNING_TARGETS: [&str; 6] = [
     "tokenaware-auto",
     "tokenaware-auto-high",
     "tokenaware-auto-low",
+    "tokenaware-fixed",
     "tokenaware-fixed-high",
     "tokenaware-latency",
 ];
+
+/// Learning targets that do not learn R_peak (no rates to watch).
+const FIXED_TARGETS: [&str; 2] = ["tokenaware-fixed", "tokenaware-fixed-high"];
 
 /// Unscaled fleet timing: R_peak (tokens/s) and decode time per output token (ms).
 const R_PEAK: f64 = 20_480.0;
@@ -279,6 +286,10 @@ fn learning_config(target: &str, eps: &[String], p: &Profile) -> String {
             v["peakPrefillThroughput"] = json!({"auto": real / 4.0});
             v["maxTTFTPenaltyMs"] = t_max(18_000.0);
         }
+        "tokenaware-fixed" => {
+            v["peakPrefillThroughput"] = json!(real);
+            v["maxTTFTPenaltyMs"] = t_max(18_000.0);
+        }
         "tokenaware-fixed-high" => {
             v["peakPrefillThroughput"] = json!(4.0 * real);
             v["maxTTFTPenaltyMs"] = t_max(18_000.0);
@@ -359,7 +370,7 @@ const CONVERGE_SAMPLES: i64 = 200;
 /// Watches a learning target's estimates during its ladder (see `wasm_tests::ratewatch`).
 fn watch_rates(gw: &Gateway, p: &Profile, endpoints: usize, target: &str) -> Option<RateWatch> {
     let Gateway::Envoy(e) = gw else { return None };
-    if !LEARNING_TARGETS.contains(&target) || target == "tokenaware-fixed-high" {
+    if !LEARNING_TARGETS.contains(&target) || FIXED_TARGETS.contains(&target) {
         return None;
     }
     Some(RateWatch::start(
