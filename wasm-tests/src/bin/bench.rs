@@ -642,30 +642,38 @@ impl LadderEnd {
     }
 }
 
-/// The learned rates polled during a target's ladder: OUT_DIR/records/WORKLOAD/TARGET.rates.json.
+/// Writes `value` as OUT_DIR/records/WORKLOAD/TARGET{suffix}.
+fn write_record_file(
+    out: &Path,
+    workload: &str,
+    target: &str,
+    suffix: &str,
+    value: &impl serde::Serialize,
+) -> anyhow::Result<()> {
+    let dir = out.join("records").join(workload);
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join(format!("{}{suffix}", target.replace(' ', "_")));
+    std::fs::write(&path, serde_json::to_vec(value)?)?;
+    Ok(())
+}
+
+/// The learned rates polled during a target's ladder: TARGET.rates.json.
 fn write_rate_trace(
     out: &Path,
     workload: &str,
     target: &str,
     trace: &[Poll],
 ) -> anyhow::Result<()> {
-    let dir = out.join("records").join(workload);
-    std::fs::create_dir_all(&dir)?;
-    let path = dir.join(format!("{}.rates.json", target.replace(' ', "_")));
-    std::fs::write(&path, serde_json::to_vec(trace)?)?;
-    Ok(())
+    write_record_file(out, workload, target, ".rates.json", &trace)
 }
 
+/// Every request's record, one array per stage: TARGET.json.
 fn write_records(out: &Path, workload: &str, target: &str, stages: &[Stage]) -> anyhow::Result<()> {
-    let dir = out.join("records").join(workload);
-    std::fs::create_dir_all(&dir)?;
     let v: Vec<serde_json::Value> = stages
         .iter()
         .map(|s| json!({"rate": s.rate, "records": s.records}))
         .collect();
-    let path = dir.join(format!("{}.json", target.replace(' ', "_")));
-    std::fs::write(&path, serde_json::to_vec(&v)?)?;
-    Ok(())
+    write_record_file(out, workload, target, ".json", &v)
 }
 
 async fn run_one(
