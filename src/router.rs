@@ -110,6 +110,43 @@ pub fn free_distance(blocks: u64, kv_usage: f64) -> u64 {
     (blocks as f64 / (1.0 - used)) as u64
 }
 
+/// Learned rates this much apart (as a share of the lower) or less count as one kind of
+/// machine. The promotion rule's `PEER_BAND` reads speeds the same way.
+const SPEED_CLASS_GAP: f64 = 0.15;
+
+/// Each learned rate replaced by the mean of its class: the rates sorted, and a class ends
+/// where the next is more than `SPEED_CLASS_GAP` (15 %) faster. Fleets are built from a few kinds
+/// of machine; within a kind the estimates differ by their noise, and the busiest endpoints
+/// (whose prefills share steps with the most decodes) read a few percent slow. Counted one
+/// by one, a spread of −10 … +6 % (through Envoy, on a fleet of equal endpoints) placed cold
+/// prefixes by noise; counted by kind, a fleet of one kind is routed as a calibrated run
+/// routes it (docs/benchmarks.md, "Learned rates counted by kind of machine"). Kinds twice
+/// apart stay apart.
+pub fn speed_classes(rates: &[f64]) -> Vec<f64> {
+    let mut order: Vec<usize> = (0..rates.len()).collect();
+    order.sort_by(|&a, &b| rates[a].total_cmp(&rates[b]));
+    let mut out = rates.to_vec();
+    let mut start = 0;
+    for k in 1..=order.len() {
+        let ends = match (order.get(k - 1), order.get(k)) {
+            (Some(&lo), Some(&hi)) => rates[hi] > rates[lo] * (1.0 + SPEED_CLASS_GAP),
+            _ => true,
+        };
+        if !ends {
+            continue;
+        }
+        let class = order.get(start..k).unwrap_or(&[]);
+        let mean = class.iter().map(|&i| rates[i]).sum::<f64>() / class.len().max(1) as f64;
+        for &i in class {
+            if let Some(r) = out.get_mut(i) {
+                *r = mean;
+            }
+        }
+        start = k;
+    }
+    out
+}
+
 /// Until an endpoint's rate is learned, the tokenaware policy's τ counts R_peak as this many
 /// times the prior (the range of error a preset is expected to have; the policy's bound of
 /// eight prompts' worth still applies).
@@ -379,7 +416,7 @@ impl Router {
     /// the wait includes the fixed overhead and what the running batch adds.
     fn in_reference_tokens(
         &mut self,
-        with_est: Vec<(Candidate, Option<Estimate>)>,
+        mut with_est: Vec<(Candidate, Option<Estimate>)>,
     ) -> Vec<Candidate> {
         if with_est.iter().all(|(_, e)| e.is_none()) {
             return with_est.into_iter().map(|(c, _)| c).collect();
@@ -390,6 +427,14 @@ impl Router {
             .iter()
             .filter_map(|(_, e)| e.filter(|e| e.learned).map(|e| e.rate))
             .collect();
+        // Each endpoint counts at its kind's rate (`speed_classes`).
+        let classes = speed_classes(&learned);
+        let mut next = classes.iter();
+        for est in with_est.iter_mut().filter_map(|(_, e)| e.as_mut()) {
+            if est.learned {
+                est.rate = next.next().copied().unwrap_or(est.rate);
+            }
+        }
         let mean = match learned.len() {
             0 => self.estimator.prior_rate,
             n => learned.iter().sum::<f64>() / n as f64,
@@ -863,6 +908,26 @@ mod tests {
         // The held sample cannot be stored: lost, and the release still happens.
         r.finish(&s, &mut routed, Outcome::Done).unwrap();
         assert_eq!(r.ledger.load(&s, slot, 600).unwrap(), Default::default());
+    }
+
+    #[test]
+    fn learned_rates_count_by_kind_of_machine() {
+        let close = |a: &[f64], b: &[f64]| a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-9);
+        // One kind read with noise: every endpoint at the mean.
+        let one = speed_classes(&[3_700.0, 4_000.0, 4_300.0, 3_900.0]);
+        assert!(close(&one, &[3_975.0; 4]), "{one:?}");
+        // Two kinds twice apart stay apart, whatever the order.
+        let two = speed_classes(&[4_100.0, 2_000.0, 3_900.0, 2_200.0]);
+        assert!(
+            close(&two, &[4_000.0, 2_100.0, 4_000.0, 2_100.0]),
+            "{two:?}"
+        );
+        // One endpoint alone keeps its own reading; none is fine.
+        assert!(close(
+            &speed_classes(&[1_000.0, 5_000.0]),
+            &[1_000.0, 5_000.0]
+        ));
+        assert!(speed_classes(&[]).is_empty());
     }
 
     #[test]
