@@ -912,7 +912,9 @@ mod tests {
 
     #[test]
     fn learned_rates_count_by_kind_of_machine() {
-        let close = |a: &[f64], b: &[f64]| a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-9);
+        let close = |a: &[f64], b: &[f64]| {
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-9)
+        };
         // One kind read with noise: every endpoint at the mean.
         let one = speed_classes(&[3_700.0, 4_000.0, 4_300.0, 3_900.0]);
         assert!(close(&one, &[3_975.0; 4]), "{one:?}");
@@ -928,6 +930,60 @@ mod tests {
             &[1_000.0, 5_000.0]
         ));
         assert!(speed_classes(&[]).is_empty());
+    }
+
+    #[test]
+    fn a_fleet_of_one_kind_is_routed_at_one_speed() {
+        let (mut r, _, _) = router(r#","peakPrefillThroughput":{"auto":1000}"#);
+        let est = |rate: f64, learned: bool| Estimate {
+            rate,
+            overhead_s: 0.0,
+            per_active: 0.0,
+            observations: 300.0,
+            total: 300,
+            learned,
+            capacity_share: 1.0,
+            cache_checks: 0,
+            cache_misses: 0,
+        };
+        let queued = |tokens: u64| Candidate {
+            load: Load {
+                tokens,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        // Three equal machines read 5 % apart, one not learned yet, and one twice as slow.
+        let view = |slow: bool| {
+            let mut v = vec![
+                (queued(1_900), Some(est(1_900.0, true))),
+                (queued(2_000), Some(est(2_000.0, true))),
+                (queued(2_100), Some(est(2_100.0, true))),
+                (queued(2_000), Some(est(1_000.0, false))),
+            ];
+            if slow {
+                v.push((queued(1_000), Some(est(1_000.0, true))));
+            }
+            v
+        };
+        let c = r.in_reference_tokens(view(false));
+        assert!(c.iter().all(|c| (c.speed() - 1.0).abs() < 1e-9), "{c:?}");
+        // Each queue counts as its tokens: the same wait on every endpoint of the kind.
+        let tokens: Vec<u64> = c.iter().map(|c| c.load.tokens).collect();
+        assert!(tokens
+            .iter()
+            .zip([1_900, 2_000, 2_100, 2_000])
+            .all(|(a, b)| a.abs_diff(b) <= 1));
+        // A machine twice as slow is a kind of its own (the endpoint not learned yet counts
+        // at the fleet's mean).
+        let c = r.in_reference_tokens(view(true));
+        let speeds: Vec<f64> = c.iter().map(|c| c.speed()).collect();
+        assert!(
+            speeds[..3].iter().all(|s| (s - speeds[0]).abs() < 1e-9),
+            "{speeds:?}"
+        );
+        assert!((speeds[3] - 1.0).abs() < 1e-9, "{speeds:?}");
+        assert!((speeds[0] / speeds[4] - 2.0).abs() < 1e-9, "{speeds:?}");
     }
 
     #[test]
