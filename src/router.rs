@@ -126,23 +126,12 @@ pub fn speed_classes(rates: &[f64]) -> Vec<f64> {
     let mut order: Vec<usize> = (0..rates.len()).collect();
     order.sort_by(|&a, &b| rates[a].total_cmp(&rates[b]));
     let mut out = rates.to_vec();
-    let mut start = 0;
-    for k in 1..=order.len() {
-        let ends = match (order.get(k - 1), order.get(k)) {
-            (Some(&lo), Some(&hi)) => rates[hi] > rates[lo] * (1.0 + SPEED_CLASS_GAP),
-            _ => true,
-        };
-        if !ends {
-            continue;
+    let same_kind = |&lo: &usize, &hi: &usize| rates[hi] <= rates[lo] * (1.0 + SPEED_CLASS_GAP);
+    for kind in order.chunk_by(same_kind) {
+        let mean = kind.iter().map(|&i| rates[i]).sum::<f64>() / kind.len() as f64;
+        for &i in kind {
+            out[i] = mean;
         }
-        let class = order.get(start..k).unwrap_or(&[]);
-        let mean = class.iter().map(|&i| rates[i]).sum::<f64>() / class.len().max(1) as f64;
-        for &i in class {
-            if let Some(r) = out.get_mut(i) {
-                *r = mean;
-            }
-        }
-        start = k;
     }
     out
 }
