@@ -34,7 +34,7 @@ use serde::Serialize;
 use serde_json::json;
 use wasm_tests::envoy::{repo_root, Envoy, FallbackLb, GatewayConfig};
 use wasm_tests::fleet::{Fleet, FleetConfig, Timing, MODEL};
-use wasm_tests::loadgen::{self, Stage, Summary, Target, Workload, WorkloadKind};
+use wasm_tests::loadgen::{self, Stage, Summary, Target, Workload, WorkloadKind, SEED_GROUPS};
 use wasm_tests::ratewatch::{Poll, RateWatch, Reached};
 
 const TARGETS: [&str; 6] = [
@@ -133,6 +133,10 @@ struct Args {
     /// too much: the cache correction's case).
     #[arg(long, default_value_t = 1.0)]
     kv_report_factor: f64,
+    /// seed-sim's prefix groups (default 40, what the fleet's cache just holds; 60 is more
+    /// than it holds).
+    #[arg(long)]
+    groups: Option<usize>,
 }
 
 /// Draws `<workload>.svg` into `<out-dir>/plots` (and docs/plots with --docs-plots).
@@ -164,6 +168,8 @@ struct Profile {
     slow_endpoints: usize,
     /// KV capacity the fleet reports over its real one (`--kv-report-factor`).
     kv_report_factor: f64,
+    /// seed-sim's prefix groups (`--groups`).
+    groups: usize,
 }
 
 fn profile(kind: WorkloadKind, quick: bool) -> Profile {
@@ -218,6 +224,7 @@ fn profile(kind: WorkloadKind, quick: bool) -> Profile {
         plugin_extra: serde_json::Value::Null,
         slow_endpoints: 0,
         kv_report_factor: 1.0,
+        groups: SEED_GROUPS,
     }
 }
 
@@ -701,7 +708,7 @@ async fn run_one(
         })
         .collect();
     let client = loadgen::client()?;
-    let w = Workload::new(kind, p.scale, seed);
+    let w = Workload::new(kind, p.scale, seed).with_groups(p.groups);
     let end = LadderEnd::new(p.slo_s);
     let label = format!("{}/{target} x{}", kind.name(), targets.len());
     let watch = gws
@@ -796,6 +803,10 @@ async fn main() -> anyhow::Result<()> {
         }
         p.slow_endpoints = a.slow_endpoints;
         p.kv_report_factor = a.kv_report_factor;
+        if let Some(g) = a.groups {
+            anyhow::ensure!(g > 0, "--groups: at least one group");
+            p.groups = g;
+        }
         if let Some(extra) = &a.plugin_extra {
             p.plugin_extra = serde_json::from_str(extra).context("--plugin-extra: not JSON")?;
             anyhow::ensure!(

@@ -23,7 +23,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-pub use workload::{Item, Workload, WorkloadKind};
+pub use workload::{Item, Workload, WorkloadKind, SEED_GROUPS};
 
 /// Mixed into the arrival seed (the plan uses another constant).
 const ARRIVAL_SEED_MIX: u64 = 0xa771_7a15_0000_0002;

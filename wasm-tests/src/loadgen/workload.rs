@@ -148,6 +148,9 @@ pub struct Workload {
     /// Multiplier on every token count (0 < scale ≤ 1).
     pub scale: f64,
     pub seed: u64,
+    /// seed-sim: prefix groups (default [`SEED_GROUPS`]; more than the fleet's cache holds
+    /// is the cache correction's hard case).
+    pub groups: usize,
 }
 
 /// Largest output the fleet generates (its `max_tokens` cap).
@@ -155,7 +158,18 @@ pub const MAX_OUTPUT_TOKENS: usize = crate::fleet::openai::MAX_TOKENS_CAP;
 
 impl Workload {
     pub fn new(kind: WorkloadKind, scale: f64, seed: u64) -> Self {
-        Self { kind, scale, seed }
+        Self {
+            kind,
+            scale,
+            seed,
+            groups: SEED_GROUPS,
+        }
+    }
+
+    /// The same workload over `groups` seed-sim prefix groups (at least one).
+    pub fn with_groups(mut self, groups: usize) -> Self {
+        self.groups = groups.max(1);
+        self
     }
 
     fn tokens(&self, model_tokens: f64) -> usize {
@@ -209,7 +223,7 @@ pub const SEED_OUTPUT_TOKENS: f64 = 16.0;
 impl Gen {
     fn new(w: Workload) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(w.seed ^ PLAN_SEED_MIX);
-        let weights: Vec<f64> = (1..=SEED_GROUPS)
+        let weights: Vec<f64> = (1..=w.groups)
             .map(|k| 1.0 / (k as f64).powf(SEED_ZIPF))
             .collect();
         let total: f64 = weights.iter().sum();
@@ -273,7 +287,7 @@ impl Gen {
                     .zipf_cdf
                     .iter()
                     .position(|&c| u < c)
-                    .unwrap_or(SEED_GROUPS - 1);
+                    .unwrap_or(self.w.groups - 1);
                 let sys = self.text(&format!("seed-group-{g}"), self.w.tokens(55_000.0));
                 let q = text(
                     self.w.seed,
@@ -477,6 +491,17 @@ mod tests {
         let g0: Vec<&Item> = items.iter().filter(|i| i.group == "g0").take(2).collect();
         assert!(Arc::ptr_eq(&g0[0].messages[0].1, &g0[1].messages[0].1));
         assert_ne!(g0[0].messages[1].1, g0[1].messages[1].1);
+        // Over 60 groups the hottest share falls (≈ 25.3 %) and the tail reaches past 40.
+        let items = Workload::new(WorkloadKind::SeedSim, 0.1, 1)
+            .with_groups(60)
+            .plan(4000);
+        let hot = items.iter().filter(|i| i.group == "g0").count() as f64 / 4000.0;
+        assert!((0.23..0.275).contains(&hot), "hottest group share {hot}");
+        let past_40 = items
+            .iter()
+            .filter(|i| i.group[1..].parse::<usize>().is_ok_and(|g| g >= 40))
+            .count();
+        assert!(past_40 > 150, "{past_40} requests in groups 40-59");
     }
 
     #[test]
