@@ -503,7 +503,14 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
                 };
                 if let Some(r) = reqs[i].routed.as_mut() {
                     let _ = router.first_byte(&store, r, now_ms);
-                    let _ = router.observe_usage(&store, r, "", 0, tokens, Some(cached));
+                    let _ = router.observe_usage(
+                        &store,
+                        &table.endpoints,
+                        r,
+                        ("", 0),
+                        tokens,
+                        Some(cached),
+                    );
                     let slot = table.endpoints[e].slot;
                     if let Ok(est) = router.estimator.read(&store, slot) {
                         if est.total == 200 {

@@ -110,6 +110,34 @@ pub fn free_distance(blocks: u64, kv_usage: f64) -> u64 {
     (blocks as f64 / (1.0 - used)) as u64
 }
 
+/// Cache checks an endpoint's share must rest on before it speaks for the fleet's.
+const FLEET_SHARE_CHECKS: u64 = 32;
+
+/// The share of its reported KV capacity the fleet keeps: the median over endpoints with at
+/// least [`FLEET_SHARE_CHECKS`] cache checks (1 when none has). What an engine keeps of what
+/// it reports is a setting of the deployment, alike on its endpoints, but each endpoint's
+/// own share comes down only through misses it can explain, and the busiest one (its misses
+/// under pool pressure, its hot prefixes held) may never see them: with its share high,
+/// cold placement finds room there that is not, and it thrashes. So no endpoint's index
+/// counts more than the fleet's share; one that keeps less still counts its own.
+fn fleet_share(shares: impl Iterator<Item = (f64, u64)>) -> f64 {
+    let mut known: Vec<f64> = shares
+        .filter(|&(share, checks)| checks >= FLEET_SHARE_CHECKS && share.is_finite())
+        .map(|(share, _)| share)
+        .collect();
+    if known.is_empty() {
+        return 1.0;
+    }
+    known.sort_by(f64::total_cmp);
+    let mid = known.len() / 2;
+    let upper = known.get(mid).copied().unwrap_or(1.0);
+    let median = match mid.checked_sub(1).and_then(|m| known.get(m)) {
+        Some(lower) if known.len().is_multiple_of(2) => (lower + upper) / 2.0,
+        _ => upper,
+    };
+    median.clamp(0.0, 1.0)
+}
+
 /// Learned rates this much apart (as a share of the lower) or less count as one kind of
 /// machine. The promotion rule's `PEER_BAND` reads speeds the same way.
 const SPEED_CLASS_GAP: f64 = 0.15;
@@ -186,20 +214,28 @@ impl Router {
         self.seq = seq;
     }
 
-    /// Writes each endpoint's capacity into the index headers. Call on table changes, not
-    /// per request.
+    /// Writes each endpoint's capacity into the index headers: the reported capacity, with
+    /// learning times the share of it the endpoint keeps, never more than the fleet's share
+    /// (`fleet_share`). Call on table changes and when a share moves, not per request.
     pub fn sync_capacities<S: SharedStore + ?Sized>(
         &self,
         s: &S,
         eps: &[Endpoint],
     ) -> Result<(), StoreError> {
-        for e in eps {
-            let blocks = if self.cfg.learns() {
-                let share = self.estimator.read(s, e.slot)?.capacity_share;
-                ((e.capacity_blocks as f64 * share) as u64).max(1)
-            } else {
-                e.capacity_blocks
-            };
+        if !self.cfg.learns() {
+            for e in eps {
+                self.index.set_capacity(s, e.slot, e.capacity_blocks)?;
+            }
+            return Ok(());
+        }
+        let est = eps
+            .iter()
+            .map(|e| self.estimator.read(s, e.slot))
+            .collect::<Result<Vec<_>, _>>()?;
+        let fleet = fleet_share(est.iter().map(|x| (x.capacity_share, x.cache_checks)));
+        for (e, x) in eps.iter().zip(&est) {
+            let share = x.capacity_share.min(fleet);
+            let blocks = ((e.capacity_blocks as f64 * share) as u64).max(1);
             self.index.set_capacity(s, e.slot, blocks)?;
         }
         Ok(())
@@ -528,15 +564,16 @@ impl Router {
         Some((sample, counted))
     }
 
-    /// `usage` of the answer: the served prompt tokens (against `prompt_bytes` of canonical
-    /// prompt, 0 when the client sent token ids) and the tokens the server found cached.
-    /// A predicted hit that missed lowers the capacity the index assumes for the endpoint.
+    /// `usage` of the answer: the served prompt tokens (against the request's model and
+    /// bytes of canonical prompt, 0 when the client sent token ids) and the tokens the server
+    /// found cached. A predicted hit that missed lowers the capacity the index assumes for
+    /// the endpoint (and may lower the fleet's share, so `eps` are synced).
     pub fn observe_usage<S: SharedStore + ?Sized>(
         &self,
         s: &S,
+        eps: &[Endpoint],
         r: &mut Routed,
-        model: &str,
-        prompt_bytes: u64,
+        (model, prompt_bytes): (&str, u64),
         prompt_tokens: u64,
         cached_tokens: Option<u64>,
     ) -> Result<CacheCheck, StoreError> {
@@ -561,9 +598,8 @@ impl Router {
         let share = self
             .estimator
             .observe_served(s, r.charge.slot, ttft, check, depth)?;
-        if let Some(share) = share {
-            let blocks = ((r.capacity_blocks as f64 * share) as u64).max(1);
-            self.index.set_capacity(s, r.charge.slot, blocks)?;
+        if share.is_some() {
+            self.sync_capacities(s, eps)?;
         }
         Ok(check)
     }
@@ -696,7 +732,14 @@ mod tests {
         assert_eq!(second.charge.slot, slot);
         assert!(second.tokens > second.uncached, "a predicted hit");
         let check = r
-            .observe_usage(&s, &mut second, "m", 40_000, 10_000, Some(0))
+            .observe_usage(
+                &s,
+                &t.endpoints,
+                &mut second,
+                ("m", 40_000),
+                10_000,
+                Some(0),
+            )
             .unwrap();
         assert_eq!(check, CacheCheck::Missed);
         assert_eq!(capacity(&r), before);
@@ -708,7 +751,7 @@ mod tests {
         // Past T_max (18 s), the same miss is evidence: the index assumes less capacity.
         let mut third = r.route(&s, &t.endpoints, &chain, 10_000, 30_000).unwrap();
         assert_eq!(third.charge.slot, slot);
-        r.observe_usage(&s, &mut third, "m", 40_000, 10_000, Some(0))
+        r.observe_usage(&s, &t.endpoints, &mut third, ("m", 40_000), 10_000, Some(0))
             .unwrap();
         assert!(capacity(&r) < before);
         r.finish(&s, &mut third, Outcome::Done).unwrap();
@@ -740,7 +783,7 @@ mod tests {
         let mut last = r.route(&s, &t.endpoints, &chain, 10_000, 40_000).unwrap();
         assert_eq!(last.charge.slot, slot);
         let check = r
-            .observe_usage(&s, &mut last, "m", 40_000, 10_000, Some(0))
+            .observe_usage(&s, &t.endpoints, &mut last, ("m", 40_000), 10_000, Some(0))
             .unwrap();
         assert_eq!(check, CacheCheck::Missed);
         assert!(capacity(&r) < before, "{} < {before}", capacity(&r));
@@ -768,7 +811,7 @@ mod tests {
             t.endpoints[0].scraped_at_ms = 30_000;
             let mut again = r.route(&s, &t.endpoints, &chain, 10_000, 30_000).unwrap();
             let check = r
-                .observe_usage(&s, &mut again, "m", 40_000, 10_000, Some(0))
+                .observe_usage(&s, &t.endpoints, &mut again, ("m", 40_000), 10_000, Some(0))
                 .unwrap();
             assert_eq!(check, CacheCheck::Missed);
             let capacity = r.index.matched(&s, 0, &[]).unwrap().capacity;
@@ -797,6 +840,52 @@ mod tests {
     }
 
     #[test]
+    fn no_endpoint_counts_more_cache_than_the_fleet_keeps() {
+        let share = |v: &[(f64, u64)]| fleet_share(v.iter().copied());
+        assert_eq!(share(&[]), 1.0);
+        assert_eq!(
+            share(&[(0.5, FLEET_SHARE_CHECKS - 1)]),
+            1.0,
+            "too few checks"
+        );
+        assert_eq!(share(&[(0.4, 40), (0.6, 40), (0.9, 40), (0.2, 3)]), 0.6);
+        assert_eq!(share(&[(0.4, 40), (0.6, 40)]), 0.5);
+        // Two endpoints learn that they keep half of what they report; the third, whose
+        // predictions all held, still believes in all of it.
+        let (r, t, s) = router(r#","peakPrefillThroughput":"auto""#);
+        let reported = t.endpoints[0].capacity_blocks;
+        let capacity = |slot| r.index.matched(&s, slot, &[]).unwrap().capacity;
+        for _ in 0..40 {
+            for slot in [0, 1] {
+                r.estimator
+                    .observe_cache(&s, slot, CacheCheck::Missed, Some(0.5))
+                    .unwrap();
+            }
+            r.estimator
+                .observe_cache(&s, 2, CacheCheck::Held, Some(0.9))
+                .unwrap();
+        }
+        assert_eq!(r.estimator.read(&s, 2).unwrap().capacity_share, 1.0);
+        assert_eq!(capacity(2), reported, "not synced yet");
+        r.sync_capacities(&s, &t.endpoints).unwrap();
+        // The fleet's share (the median, 0.5) bounds the third; the two count their own.
+        for slot in 0..3 {
+            let c = capacity(slot) as f64 / reported as f64;
+            assert!((c - 0.5).abs() < 0.01, "slot {slot}: {c}");
+        }
+        // Without learning the reported capacity stands whatever the records say.
+        let (plain, t2, s2) = router("");
+        for _ in 0..40 {
+            plain
+                .estimator
+                .observe_cache(&s2, 0, CacheCheck::Missed, Some(0.5))
+                .unwrap();
+        }
+        plain.sync_capacities(&s2, &t2.endpoints).unwrap();
+        assert_eq!(plain.index.matched(&s2, 0, &[]).unwrap().capacity, reported);
+    }
+
+    #[test]
     fn free_distance_counts_the_share_running_requests_leave() {
         assert_eq!(free_distance(100, 0.0), 100);
         assert_eq!(free_distance(100, 0.5), 200);
@@ -816,8 +905,15 @@ mod tests {
         let slot = routed.charge.slot;
         r.first_byte(&s, &mut routed, 2_000).unwrap();
         assert_eq!(r.estimator.read(&s, slot).unwrap().total, 0);
-        r.observe_usage(&s, &mut routed, "m", 40_000, 10_000, Some(0))
-            .unwrap();
+        r.observe_usage(
+            &s,
+            &t.endpoints,
+            &mut routed,
+            ("m", 40_000),
+            10_000,
+            Some(0),
+        )
+        .unwrap();
         assert_eq!(r.estimator.read(&s, slot).unwrap().total, 1);
         r.finish(&s, &mut routed, Outcome::Done).unwrap();
         assert_eq!(r.estimator.read(&s, slot).unwrap().total, 1, "one sample");
@@ -864,7 +960,7 @@ mod tests {
         for chain in &chains {
             let mut cold = r.route(&s, &t.endpoints, chain, 10_000, now).unwrap();
             r.first_byte(&s, &mut cold, now + prefill_ms).unwrap();
-            r.observe_usage(&s, &mut cold, "m", 40_000, 10_000, Some(0))
+            r.observe_usage(&s, &t.endpoints, &mut cold, ("m", 40_000), 10_000, Some(0))
                 .unwrap();
             r.finish(&s, &mut cold, Outcome::Done).unwrap();
             now += 2 * prefill_ms;
@@ -999,7 +1095,7 @@ mod tests {
                 learned_tau = Some(r.params.tau);
             }
             r.first_byte(&s, &mut routed, now + 1_000).unwrap();
-            r.observe_usage(&s, &mut routed, "m", 8_000, 2_000, Some(0))
+            r.observe_usage(&s, &t.endpoints, &mut routed, ("m", 8_000), 2_000, Some(0))
                 .unwrap();
             r.finish(&s, &mut routed, Outcome::Done).unwrap();
         }

@@ -406,8 +406,9 @@ impl Root {
         let Ok(Some((slot, capacity))) = r else {
             return;
         };
-        if let (Some(c), Ok(router)) = (capacity, self.vm.router.try_borrow()) {
-            let _ = router.index.set_capacity(h, slot, c);
+        // The new size goes through the learned share (and the fleet's), as at start.
+        if let (Some(_), Ok(router)) = (capacity, self.vm.router.try_borrow()) {
+            let _ = router.sync_capacities(h, &self.vm.table(h).endpoints);
         }
         if restarted {
             self.endpoint_reset(h, address, slot);
