@@ -129,13 +129,10 @@ fn fleet_share(shares: impl Iterator<Item = (f64, u64)>) -> f64 {
         return 1.0;
     }
     known.sort_by(f64::total_cmp);
-    let mid = known.len() / 2;
-    let upper = known.get(mid).copied().unwrap_or(1.0);
-    let median = match mid.checked_sub(1).and_then(|m| known.get(m)) {
-        Some(lower) if known.len().is_multiple_of(2) => (lower + upper) / 2.0,
-        _ => upper,
-    };
-    median.clamp(0.0, 1.0)
+    // The middle one, or the mean of the middle two (the same index when the count is odd).
+    let n = known.len();
+    let at = |i: usize| known.get(i).copied().unwrap_or(1.0);
+    ((at((n - 1) / 2) + at(n / 2)) / 2.0).clamp(0.0, 1.0)
 }
 
 /// Learned rates this much apart (as a share of the lower) or less count as one kind of
