@@ -411,6 +411,9 @@ fn config(a: &Args, r: Run) -> Config {
     }
 }
 
+/// The filter's tick with metrics polled every 200 ms (the benchmark's setting).
+const TICK_MS: u64 = 200;
+
 fn simulate(a: &Args, r: Run) -> Outcomes {
     let cfg = config(a, r);
     let w = workload(a, &cfg, r.rate, r.seed);
@@ -418,6 +421,7 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
     let store = MemStore::new();
     let mut router = Router::new(cfg);
     let _ = router.sync_capacities(&store, &table.endpoints);
+    let mut next_sync_ms = TICK_MS;
     let mut servers: Vec<Server> = (0..a.endpoints).map(|_| Server::default()).collect();
     let mut reqs: Vec<Request> = Vec::with_capacity(w.arrivals.len());
     let mut events = BinaryHeap::new();
@@ -460,6 +464,11 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
                     }
                 };
                 let chain = h.finish();
+                if now_ms >= next_sync_ms {
+                    // The filter's tick: learned capacities and the fleet's share.
+                    let _ = router.sync_capacities(&store, &table.endpoints);
+                    next_sync_ms = now_ms + TICK_MS;
+                }
                 if a.pooled() {
                     scrape(&mut table, &servers, kv_tokens(a), now_ms);
                 }
@@ -503,14 +512,7 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
                 };
                 if let Some(r) = reqs[i].routed.as_mut() {
                     let _ = router.first_byte(&store, r, now_ms);
-                    let _ = router.observe_usage(
-                        &store,
-                        &table.endpoints,
-                        r,
-                        ("", 0),
-                        tokens,
-                        Some(cached),
-                    );
+                    let _ = router.observe_usage(&store, r, ("", 0), tokens, Some(cached));
                     let slot = table.endpoints[e].slot;
                     if let Ok(est) = router.estimator.read(&store, slot) {
                         if est.total == 200 {

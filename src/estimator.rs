@@ -564,6 +564,30 @@ impl Estimator {
         Ok(r.estimate(self.prior_rate))
     }
 
+    /// The fleet's capacity share as the last full sync computed it (1 before any).
+    pub fn fleet_share<S: SharedStore + ?Sized>(&self, s: &S) -> Result<f64, StoreError> {
+        let (v, _) = s.get(&self.fleet_key())?;
+        let share = v
+            .as_deref()
+            .and_then(|b| b.try_into().ok())
+            .map(f64::from_le_bytes)
+            .filter(|x| x.is_finite() && *x > 0.0);
+        Ok(share.map_or(1.0, |x| x.min(1.0)))
+    }
+
+    /// Stores the fleet's capacity share for syncs of one endpoint between full ones.
+    pub fn set_fleet_share<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        share: f64,
+    ) -> Result<(), StoreError> {
+        s.set(&self.fleet_key(), &share.to_le_bytes(), None)
+    }
+
+    fn fleet_key(&self) -> String {
+        format!("{}fleet", self.prefix)
+    }
+
     /// Forgets an endpoint (removed, or a new one in its slot): back to the prior.
     pub fn clear<S: SharedStore + ?Sized>(&self, s: &S, slot: u16) -> Result<(), StoreError> {
         s.set(&self.key(slot), &[], None)

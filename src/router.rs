@@ -213,7 +213,9 @@ impl Router {
 
     /// Writes each endpoint's capacity into the index headers: the reported capacity, with
     /// learning times the share of it the endpoint keeps, never more than the fleet's share
-    /// (`fleet_share`). Call on table changes and when a share moves, not per request.
+    /// (`fleet_share`). Call on table changes and, when learning, now and then (the root's
+    /// tick): the fleet's share moves with every endpoint's, and a request's `usage` syncs
+    /// only its own endpoint.
     pub fn sync_capacities<S: SharedStore + ?Sized>(
         &self,
         s: &S,
@@ -230,12 +232,36 @@ impl Router {
             .map(|e| self.estimator.read(s, e.slot))
             .collect::<Result<Vec<_>, _>>()?;
         let fleet = fleet_share(est.iter().map(|x| (x.capacity_share, x.cache_checks)));
+        self.estimator.set_fleet_share(s, fleet)?;
         for (e, x) in eps.iter().zip(&est) {
-            let share = x.capacity_share.min(fleet);
-            let blocks = ((e.capacity_blocks as f64 * share) as u64).max(1);
-            self.index.set_capacity(s, e.slot, blocks)?;
+            self.set_learned_capacity(s, e.slot, e.capacity_blocks, x.capacity_share.min(fleet))?;
         }
         Ok(())
+    }
+
+    /// One endpoint's capacity after its share moved, capped by the fleet's share as the
+    /// last full sync left it: a request's `usage` pays for one write, not a read of every
+    /// endpoint (the root's tick does the full sync).
+    fn sync_capacity<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        reported_blocks: u64,
+        share: f64,
+    ) -> Result<(), StoreError> {
+        let fleet = self.estimator.fleet_share(s)?;
+        self.set_learned_capacity(s, slot, reported_blocks, share.min(fleet))
+    }
+
+    fn set_learned_capacity<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        reported_blocks: u64,
+        share: f64,
+    ) -> Result<(), StoreError> {
+        let blocks = ((reported_blocks as f64 * share) as u64).max(1);
+        self.index.set_capacity(s, slot, blocks)
     }
 
     /// Forgets a removed (or cold-restarted) endpoint's index entries and load.
@@ -564,11 +590,10 @@ impl Router {
     /// `usage` of the answer: the served prompt tokens (against the request's model and
     /// bytes of canonical prompt, 0 when the client sent token ids) and the tokens the server
     /// found cached. A predicted hit that missed lowers the capacity the index assumes for
-    /// the endpoint (and may lower the fleet's share, so `eps` are synced).
+    /// the endpoint (the fleet's share, which caps it, moves at the next full sync).
     pub fn observe_usage<S: SharedStore + ?Sized>(
         &self,
         s: &S,
-        eps: &[Endpoint],
         r: &mut Routed,
         (model, prompt_bytes): (&str, u64),
         prompt_tokens: u64,
@@ -595,8 +620,8 @@ impl Router {
         let share = self
             .estimator
             .observe_served(s, r.charge.slot, ttft, check, depth)?;
-        if share.is_some() {
-            self.sync_capacities(s, eps)?;
+        if let Some(share) = share {
+            self.sync_capacity(s, r.charge.slot, r.capacity_blocks, share)?;
         }
         Ok(check)
     }
@@ -729,14 +754,7 @@ mod tests {
         assert_eq!(second.charge.slot, slot);
         assert!(second.tokens > second.uncached, "a predicted hit");
         let check = r
-            .observe_usage(
-                &s,
-                &t.endpoints,
-                &mut second,
-                ("m", 40_000),
-                10_000,
-                Some(0),
-            )
+            .observe_usage(&s, &mut second, ("m", 40_000), 10_000, Some(0))
             .unwrap();
         assert_eq!(check, CacheCheck::Missed);
         assert_eq!(capacity(&r), before);
@@ -748,7 +766,7 @@ mod tests {
         // Past T_max (18 s), the same miss is evidence: the index assumes less capacity.
         let mut third = r.route(&s, &t.endpoints, &chain, 10_000, 30_000).unwrap();
         assert_eq!(third.charge.slot, slot);
-        r.observe_usage(&s, &t.endpoints, &mut third, ("m", 40_000), 10_000, Some(0))
+        r.observe_usage(&s, &mut third, ("m", 40_000), 10_000, Some(0))
             .unwrap();
         assert!(capacity(&r) < before);
         r.finish(&s, &mut third, Outcome::Done).unwrap();
@@ -780,7 +798,7 @@ mod tests {
         let mut last = r.route(&s, &t.endpoints, &chain, 10_000, 40_000).unwrap();
         assert_eq!(last.charge.slot, slot);
         let check = r
-            .observe_usage(&s, &t.endpoints, &mut last, ("m", 40_000), 10_000, Some(0))
+            .observe_usage(&s, &mut last, ("m", 40_000), 10_000, Some(0))
             .unwrap();
         assert_eq!(check, CacheCheck::Missed);
         assert!(capacity(&r) < before, "{} < {before}", capacity(&r));
@@ -808,7 +826,7 @@ mod tests {
             t.endpoints[0].scraped_at_ms = 30_000;
             let mut again = r.route(&s, &t.endpoints, &chain, 10_000, 30_000).unwrap();
             let check = r
-                .observe_usage(&s, &t.endpoints, &mut again, ("m", 40_000), 10_000, Some(0))
+                .observe_usage(&s, &mut again, ("m", 40_000), 10_000, Some(0))
                 .unwrap();
             assert_eq!(check, CacheCheck::Missed);
             let capacity = r.index.matched(&s, 0, &[]).unwrap().capacity;
@@ -870,6 +888,12 @@ mod tests {
             let c = capacity(slot) as f64 / reported as f64;
             assert!((c - 0.5).abs() < 0.01, "slot {slot}: {c}");
         }
+        // Between full syncs a request's `usage` moves its own endpoint alone, still under
+        // the fleet's share as the last full sync left it.
+        r.sync_capacity(&s, 2, reported, 0.9).unwrap();
+        assert!((capacity(2) as f64 / reported as f64 - 0.5).abs() < 0.01);
+        r.sync_capacity(&s, 0, reported, 0.25).unwrap();
+        assert!((capacity(0) as f64 / reported as f64 - 0.25).abs() < 0.01);
         // Without learning the reported capacity stands whatever the records say.
         let (plain, t2, s2) = router("");
         for _ in 0..40 {
@@ -902,15 +926,8 @@ mod tests {
         let slot = routed.charge.slot;
         r.first_byte(&s, &mut routed, 2_000).unwrap();
         assert_eq!(r.estimator.read(&s, slot).unwrap().total, 0);
-        r.observe_usage(
-            &s,
-            &t.endpoints,
-            &mut routed,
-            ("m", 40_000),
-            10_000,
-            Some(0),
-        )
-        .unwrap();
+        r.observe_usage(&s, &mut routed, ("m", 40_000), 10_000, Some(0))
+            .unwrap();
         assert_eq!(r.estimator.read(&s, slot).unwrap().total, 1);
         r.finish(&s, &mut routed, Outcome::Done).unwrap();
         assert_eq!(r.estimator.read(&s, slot).unwrap().total, 1, "one sample");
@@ -957,7 +974,7 @@ mod tests {
         for chain in &chains {
             let mut cold = r.route(&s, &t.endpoints, chain, 10_000, now).unwrap();
             r.first_byte(&s, &mut cold, now + prefill_ms).unwrap();
-            r.observe_usage(&s, &t.endpoints, &mut cold, ("m", 40_000), 10_000, Some(0))
+            r.observe_usage(&s, &mut cold, ("m", 40_000), 10_000, Some(0))
                 .unwrap();
             r.finish(&s, &mut cold, Outcome::Done).unwrap();
             now += 2 * prefill_ms;
@@ -1092,7 +1109,7 @@ mod tests {
                 learned_tau = Some(r.params.tau);
             }
             r.first_byte(&s, &mut routed, now + 1_000).unwrap();
-            r.observe_usage(&s, &t.endpoints, &mut routed, ("m", 8_000), 2_000, Some(0))
+            r.observe_usage(&s, &mut routed, ("m", 8_000), 2_000, Some(0))
                 .unwrap();
             r.finish(&s, &mut routed, Outcome::Done).unwrap();
         }

@@ -268,11 +268,8 @@ impl HttpFilter {
         };
         let (model, bytes) = &self.prompt_shape;
         let s = &vm.recent.fresh(h);
-        // Only learning moves capacities (and needs the table for them).
-        let table = r.cfg.learns().then(|| vm.table(s));
-        let eps = table.as_ref().map_or(&[][..], |t| &t.endpoints[..]);
         let shape = (model.as_str(), *bytes);
-        match r.observe_usage(s, eps, routed, shape, u.prompt_tokens, u.cached_tokens) {
+        match r.observe_usage(s, routed, shape, u.prompt_tokens, u.cached_tokens) {
             Ok(CacheCheck::Missed) => vm.stats.inc(h, Counter::CacheMisses),
             Ok(CacheCheck::Held) => vm.stats.inc(h, Counter::CacheHeld),
             Ok(CacheCheck::Kept) => vm.stats.inc(h, Counter::CacheKept),

@@ -5,8 +5,9 @@
 //! process. The poller (a) fetches Envoy's admin `/clusters?format=json` when `discovery` is
 //! set and reconciles the table, (b) fetches each endpoint's `/metrics` through the model
 //! cluster with `x-gateway-destination-endpoint: ip:port`, so override_host sends the poll to
-//! that one endpoint, at most one poll in flight per endpoint, and (c) publishes each
-//! endpoint's in-flight tokens as a gauge. The table goes to shared data as JSON with CAS;
+//! that one endpoint, at most one poll in flight per endpoint, (c) with learning, writes each
+//! endpoint's learned KV capacity into the index (its share, capped by the fleet's), and (d)
+//! publishes each endpoint's in-flight tokens as a gauge. The table goes to shared data as JSON with CAS;
 //! every VM re-reads it when its version changes (see `vm`). Every VM, poller or not, also
 //! records its own linear memory on each tick (see `memory`).
 //!
@@ -213,7 +214,24 @@ impl Root {
         self.expire_calls(now);
         self.discover(h, now);
         self.poll_metrics(h, now);
+        self.sync_learned_capacities(h);
         self.record_gauges(h, now);
+    }
+
+    /// With learning, the fleet's capacity share moves with every endpoint's, and requests
+    /// sync only their own endpoint: the poller recomputes it and every capacity each tick.
+    fn sync_learned_capacities<H: Host>(&self, h: &H) {
+        if !self.vm.cfg.learns() {
+            return;
+        }
+        if let Ok(router) = self.vm.router.try_borrow() {
+            if router
+                .sync_capacities(h, &self.vm.table(h).endpoints)
+                .is_err()
+            {
+                self.vm.stats.inc(h, Counter::EstimateErrors);
+            }
+        }
     }
 
     /// Asks Envoy's admin for the model cluster's hosts, when due and none is in flight.

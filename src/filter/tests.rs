@@ -1095,3 +1095,40 @@ fn held_histogram_samples_are_bounded() {
     );
     assert_eq!(vm.stats.held_updates(), 10);
 }
+
+#[test]
+fn the_poller_caps_learned_capacities_by_the_fleet_share() {
+    use crate::estimator::CacheCheck;
+    let h = FakeHost::new();
+    let mut r = root(&h, r#","peakPrefillThroughput":"auto""#, 1);
+    let vm = r.vm();
+    let reported = vm.table(&h).endpoints[0].capacity_blocks;
+    let share = |slot| {
+        let router = vm.router.borrow();
+        let c = router.index.matched(&h, slot, &[]).unwrap().capacity;
+        c as f64 / reported as f64
+    };
+    // Two endpoints learn that they keep half of what they report, the third holds.
+    for _ in 0..40 {
+        let router = vm.router.borrow();
+        for (slot, check, depth) in [
+            (0, CacheCheck::Missed, 0.5),
+            (1, CacheCheck::Missed, 0.5),
+            (2, CacheCheck::Held, 0.9),
+        ] {
+            router
+                .estimator
+                .observe_cache(&h, slot, check, Some(depth))
+                .unwrap();
+        }
+    }
+    assert_eq!(share(2), 1.0);
+    r.on_tick(&h);
+    for slot in 0..3 {
+        assert!(
+            (share(slot) - 0.5).abs() < 0.01,
+            "slot {slot}: {}",
+            share(slot)
+        );
+    }
+}
