@@ -4,6 +4,12 @@
 //! of stream, reset, error or timeout. Releases are idempotent: a `Charge` remembers what it
 //! still holds.
 //!
+//! Missed predictions. A predicted hit is charged at its uncached tokens, so an endpoint
+//! whose cache has started to lose what the index says it holds keeps a small ledger while
+//! most requests there prefill their whole prompt. The ledger also keeps, per endpoint, the
+//! recent share of predicted hits whose `usage` said they missed (each answer weighs 1/8;
+//! written with the request's final release, so it costs no store call of its own).
+//!
 //! Expiry. Charges are kept in a ring of time buckets per endpoint; a bucket older than the
 //! request TTL is dropped whole, so a charge that is never released (a crashed worker VM)
 //! stops counting after at most TTL + one bucket, with no per-request key in the store.
@@ -18,7 +24,12 @@ const RING: usize = 8;
 const SLOT_BYTES: usize = 24;
 /// After the ring: the recent work window (start ms, tokens this window, tokens last window).
 const WORK_AT: usize = RING * SLOT_BYTES;
-const VALUE: usize = WORK_AT + 24;
+/// Then the recent share of predicted hits that missed, in 1/65,536ths.
+const MISSED_AT: usize = WORK_AT + 24;
+const VALUE: usize = MISSED_AT + 8;
+const SHARE_ONE: u32 = 1 << 16;
+/// Each checked prediction moves the missed share this part of the way to 0 or 1.
+const MISSED_WEIGHT: u32 = 8;
 /// Length of one work-rate window.
 const WORK_WINDOW_MS: u64 = 10_000;
 
@@ -118,18 +129,30 @@ impl LoadLedger {
         s: &S,
         c: &mut Charge,
     ) -> Result<(), StoreError> {
+        self.release_checked(s, c, None)
+    }
+
+    /// `release`, with what the answer said of a predicted hit (`Some(true)`: it missed,
+    /// `Some(false)`: it held; `None`: no prediction, or no `usage`).
+    pub fn release_checked<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        c: &mut Charge,
+        missed: Option<bool>,
+    ) -> Result<(), StoreError> {
         if !c.request_held {
             return self.release_prefill(s, c);
         }
         // One update for whatever is still held.
         let (prefill, tokens) = (c.prefill_held, c.tokens);
-        self.apply(s, c.slot, c.epoch, None, |b| {
+        let apply = |b: &mut Bucket| {
             if prefill {
                 b.tokens = b.tokens.saturating_sub(tokens);
                 b.prefilling = b.prefilling.saturating_sub(1);
             }
             b.requests = b.requests.saturating_sub(1);
-        })?;
+        };
+        self.apply_with(s, c.slot, (c.epoch, None, missed), apply)?;
         c.prefill_held = false;
         c.request_held = false;
         Ok(())
@@ -153,6 +176,17 @@ impl LoadLedger {
         slot: u16,
         now_ms: u64,
     ) -> Result<(Load, u64), StoreError> {
+        self.read_all(s, slot, now_ms)
+            .map(|(load, work, _)| (load, work))
+    }
+
+    /// `read`, and the recent share of predicted hits there whose answers missed.
+    pub fn read_all<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        now_ms: u64,
+    ) -> Result<(Load, u64, f64), StoreError> {
         let (v, _) = s.get(&self.key(slot))?;
         let v = v.unwrap_or_default();
         let now = self.epoch(now_ms);
@@ -168,7 +202,8 @@ impl LoadLedger {
         let w = Work::read(&v).rolled(now_ms);
         let span = WORK_WINDOW_MS + now_ms.saturating_sub(w.start);
         let work = (w.cur + w.prev).saturating_mul(1000) / span.max(1);
-        Ok((load, work))
+        let missed = f64::from(read_u32(&v, MISSED_AT).min(SHARE_ONE)) / f64::from(SHARE_ONE);
+        Ok((load, work, missed))
     }
 
     /// Drops an endpoint's load (removed from the fleet).
@@ -187,6 +222,18 @@ impl LoadLedger {
         work: Option<(u64, u64)>,
         f: impl Fn(&mut Bucket),
     ) -> Result<(), StoreError> {
+        self.apply_with(s, slot, (epoch, work, None), f)
+    }
+
+    /// `apply`, also counting a checked prediction into the missed share (whatever the
+    /// bucket: the share is the endpoint's, not a charge's).
+    fn apply_with<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        (epoch, work, missed): (u32, Option<(u64, u64)>, Option<bool>),
+        f: impl Fn(&mut Bucket),
+    ) -> Result<(), StoreError> {
         let claim = work.is_some();
         update(s, &self.key(slot), |old| {
             let mut v = vec![0u8; VALUE];
@@ -194,9 +241,19 @@ impl LoadLedger {
             v[..n].copy_from_slice(&old[..n]);
             let i = epoch as usize % RING;
             let mut b = Bucket::read(&v, i);
+            if let Some(missed) = missed {
+                let old = read_u32(&v, MISSED_AT).min(SHARE_ONE);
+                let to = if missed { SHARE_ONE } else { 0 };
+                let moved = old - old / MISSED_WEIGHT + to / MISSED_WEIGHT;
+                write_u32(&mut v, MISSED_AT, moved);
+            }
             if b.epoch != epoch {
-                if !claim {
+                if !claim && missed.is_none() {
                     return None;
+                }
+                if !claim {
+                    // An expired charge: its bucket is gone, but its answer still counts.
+                    return Some((v, ()));
                 }
                 b = Bucket {
                     epoch,
@@ -367,6 +424,40 @@ mod tests {
         let _fresh = l.charge(&s, 3, 200, 80_000 + 8 * 10_000).unwrap();
         l.release(&s, &mut late).unwrap();
         assert_eq!(l.load(&s, 3, 80_000 + 8 * 10_000).unwrap().tokens, 200);
+    }
+
+    #[test]
+    fn the_missed_share_follows_the_recent_checked_predictions() {
+        let s = MemStore::new();
+        let l = LoadLedger::new("t", 70);
+        let share = |now| l.read_all(&s, 0, now).unwrap().2;
+        let answer = |now, missed| {
+            let mut c = l.charge(&s, 0, 100, now).unwrap();
+            l.release_checked(&s, &mut c, missed).unwrap();
+            // A second release counts nothing more.
+            l.release_checked(&s, &mut c, missed).unwrap();
+        };
+        answer(0, Some(true));
+        assert!((share(1) - 0.125).abs() < 1e-4);
+        answer(1, None); // no prediction: nothing moves
+        assert!((share(2) - 0.125).abs() < 1e-4);
+        for i in 0..40 {
+            answer(2 + i, Some(true));
+        }
+        assert!(share(50) > 0.99);
+        // Holds bring it down the same way; sporadic misses keep it low.
+        for i in 0..40 {
+            answer(50 + i, Some(i % 5 == 0));
+        }
+        assert!(share(100) < 0.35, "{}", share(100));
+        // The answer of a charge whose bucket expired still counts; its load does not.
+        let before = share(100);
+        let mut old = l.charge(&s, 0, 100, 100).unwrap();
+        let later = 300_000;
+        l.charge(&s, 0, 7, later).unwrap();
+        l.release_checked(&s, &mut old, Some(true)).unwrap();
+        assert!(share(later) > before);
+        assert_eq!(l.load(&s, 0, later).unwrap().tokens, 7);
     }
 
     #[test]

@@ -61,6 +61,8 @@ pub struct Routed {
     /// Its first byte is its first token (a streamed answer): a TTFT sample. A
     /// non-streamed answer's first byte comes after the whole generation.
     pub ttft_sample: bool,
+    /// What the answer's `usage` said of the index's prediction, once it came.
+    pub cache_check: Option<CacheCheck>,
     first_byte_seen: bool,
     /// The TTFT sample, held from the first byte until `usage` says how many prompt tokens
     /// the server really had to prefill (or the request ends without it).
@@ -165,6 +167,28 @@ pub fn speed_classes(rates: &[f64]) -> Vec<f64> {
 /// times the prior (the range of error a preset is expected to have; the policy's bound of
 /// eight prompts' worth still applies).
 const PRIOR_DOUBT: f64 = 4.0;
+
+/// The recent share of an endpoint's predicted hits that missed from which its queue counts
+/// at what those misses cost.
+const RUNAWAY_MISSED: f64 = 0.75;
+
+/// An endpoint where most predicted hits miss is refilling what it evicts, in turn: most
+/// requests queued there prefill their whole prompt, while the ledger holds only what the
+/// index predicted (their questions). Through Envoy, one such endpoint took TTFT past 100 s
+/// with every decision there sticky, told the truth about its cache or not. Its queue then
+/// counts as its requests times this request's prompt times the missed share, so the gate
+/// breaks and cold placements go elsewhere until holds bring the share down. Sporadic misses
+/// (a busy fleet's, or a pool the running requests squeeze) stay under three quarters: at a
+/// half, the simulator's pool model lost its p90 at 16 req/s (0.32 → 13.3 s); at three
+/// quarters it kept it, and the endpoint that thrashed there with the index told twice the
+/// cache no longer did (60 groups, 6 req/s: p90 5.64 → 2.45 s).
+fn runaway(mut load: Load, missed: f64, prompt_tokens: u64) -> Load {
+    if missed >= RUNAWAY_MISSED {
+        let queued = load.prefilling as f64 * prompt_tokens as f64 * missed;
+        load.tokens = load.tokens.max(queued as u64);
+    }
+    load
+}
 
 pub struct Router {
     pub cfg: Config,
@@ -388,6 +412,7 @@ impl Router {
             first_byte_seen: false,
             pending_ttft: None,
             rate_counted: None,
+            cache_check: None,
         })
     }
 
@@ -415,9 +440,9 @@ impl Router {
             .iter()
             .map(|e| {
                 let m = self.index.matched(s, e.slot, &chain.hashes)?;
-                let (local, work_per_s) = self.ledger.read(s, e.slot, now_ms)?;
+                let (local, work_per_s, missed) = self.ledger.read_all(s, e.slot, now_ms)?;
                 let scraped = e.scraped(now_ms, stale);
-                let raw = blend(local, scraped, tokens);
+                let raw = runaway(blend(local, scraped, tokens), missed, tokens);
                 let est = match self.cfg.learns() {
                     true => Some(self.estimator.read(s, e.slot)?),
                     false => None,
@@ -605,6 +630,7 @@ impl Router {
         let check = cached_tokens.map_or(CacheCheck::NotPredicted, |c| {
             cache_check(predicted, c, prompt, block_tokens)
         });
+        r.cache_check = Some(check);
         // The check still counts in the stats; only learning needs the shared estimates.
         if !self.cfg.learns() {
             return Ok(check);
@@ -644,7 +670,12 @@ impl Router {
             let receipt = std::mem::take(&mut r.receipt);
             self.index.rollback(s, &receipt)?;
         }
-        self.ledger.release(s, &mut r.charge)
+        let missed = match r.cache_check {
+            Some(CacheCheck::Missed) => Some(true),
+            Some(CacheCheck::Held) => Some(false),
+            _ => None,
+        };
+        self.ledger.release_checked(s, &mut r.charge, missed)
     }
 }
 
@@ -703,6 +734,54 @@ mod tests {
         }
         for e in &t.endpoints {
             assert_eq!(r.ledger.load(&s, e.slot, 100).unwrap(), Default::default());
+        }
+    }
+
+    /// Predicted hits of one prefix whose answers say `cached` tokens were found, then nine
+    /// more queued there without an answer: the next request of the prefix, and where the
+    /// prefix is warm.
+    fn after_answers(cached: &[u64]) -> (Routed, String) {
+        let (mut r, t, s) = router("");
+        let chain = r.hash(&chat(&"x".repeat(40_000), "q"));
+        let mut first = r.route(&s, &t.endpoints, &chain, 10_000, 0).unwrap();
+        r.first_byte(&s, &mut first, 500).unwrap();
+        r.finish(&s, &mut first, Outcome::Done).unwrap();
+        let warm = first.addresses[0].clone();
+        for (i, &c) in cached.iter().enumerate() {
+            let now = 60_000 + i as u64 * 1_000;
+            let mut answered = r.route(&s, &t.endpoints, &chain, 10_000, now).unwrap();
+            assert_eq!(answered.addresses[0], warm);
+            r.first_byte(&s, &mut answered, now + 500).unwrap();
+            r.observe_usage(&s, &mut answered, ("m", 40_000), 10_000, Some(c))
+                .unwrap();
+            r.finish(&s, &mut answered, Outcome::Done).unwrap();
+        }
+        for i in 0..9 {
+            let queued = r
+                .route(&s, &t.endpoints, &chain, 10_000, 90_000 + i)
+                .unwrap();
+            assert_eq!(queued.addresses[0], warm);
+            assert!(queued.uncached < 1_000, "charged as a hit");
+        }
+        let next = r.route(&s, &t.endpoints, &chain, 10_000, 90_010).unwrap();
+        (next, warm)
+    }
+
+    #[test]
+    fn an_endpoint_whose_predicted_hits_keep_missing_counts_whole_prompts() {
+        // Twenty misses: nearly every request queued there is a whole prefill, and nine of
+        // them are past τ (eight prompts' worth at most).
+        let (next, warm) = after_answers(&[0; 20]);
+        assert_eq!(next.decision.reason, policy::Reason::Spill);
+        assert_ne!(next.addresses[0], warm);
+        // A few misses, or one in four: the queue counts as the questions it was charged.
+        let sporadic: Vec<u64> = (0..20)
+            .map(|i| if i % 4 == 0 { 0 } else { 9_900 })
+            .collect();
+        for cached in [&[0; 4][..], &sporadic] {
+            let (next, warm) = after_answers(cached);
+            assert_eq!(next.decision.reason, policy::Reason::Sticky);
+            assert_eq!(next.addresses[0], warm);
         }
     }
 

@@ -144,7 +144,7 @@ impl Vm {
             .endpoints
             .iter()
             .map(|e| {
-                let load = router.ledger.load(h, e.slot, now).unwrap_or_default();
+                let (load, _, missed) = router.ledger.read_all(h, e.slot, now).unwrap_or_default();
                 let m = router.index.matched(h, e.slot, &[]).unwrap_or_default();
                 let est = router.estimator.read(h, e.slot).ok();
                 json!({
@@ -158,6 +158,7 @@ impl Vm {
                     "inflightTokens": load.tokens,
                     "activeRequests": load.requests,
                     "prefilling": load.prefilling,
+                    "predictedHitsMissedShare": (missed * 1000.0).round() / 1000.0,
                     "indexClock": m.clock,
                     "indexCapacity": m.capacity,
                     "estimate": est.map(|x| json!({
