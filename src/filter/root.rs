@@ -7,9 +7,9 @@
 //! cluster with `x-gateway-destination-endpoint: ip:port`, so override_host sends the poll to
 //! that one endpoint, at most one poll in flight per endpoint, (c) with learning, writes each
 //! endpoint's learned KV capacity into the index (its share, capped by the fleet's), and (d)
-//! publishes each endpoint's in-flight tokens as a gauge. The table goes to shared data as JSON with CAS;
-//! every VM re-reads it when its version changes (see `vm`). Every VM, poller or not, also
-//! records its own linear memory on each tick (see `memory`).
+//! publishes each endpoint's in-flight tokens as a gauge. The table goes to shared data as
+//! JSON with CAS; every VM re-reads it when its version changes (see `vm`). Every VM, poller
+//! or not, also records its own linear memory on each tick (see `memory`).
 //!
 //! Cold restarts. A restarted model server has an empty prefix cache, so its index entries
 //! must go. The poller takes a restart to have happened when the endpoint's prefix-cache
