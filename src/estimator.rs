@@ -533,6 +533,9 @@ pub fn cache_check(
 pub struct Estimator {
     prefix: String,
     keys: SlotKeys,
+    /// Where the last full capacity sync left the fleet's share (built once: it is read on
+    /// the response path).
+    fleet_key: String,
     /// The configured (or preset) R_peak the fit starts from.
     pub prior_rate: f64,
     pub prior_bytes_per_token: f64,
@@ -543,6 +546,7 @@ impl Estimator {
         let prefix = format!("{namespace}/est/");
         Estimator {
             keys: SlotKeys::new(&prefix, None),
+            fleet_key: format!("{prefix}fleet"),
             prefix,
             prior_rate,
             prior_bytes_per_token,
@@ -566,7 +570,7 @@ impl Estimator {
 
     /// The fleet's capacity share as the last full sync computed it (1 before any).
     pub fn fleet_share<S: SharedStore + ?Sized>(&self, s: &S) -> Result<f64, StoreError> {
-        let (v, _) = s.get(&self.fleet_key())?;
+        let (v, _) = s.get(&self.fleet_key)?;
         let share = v
             .as_deref()
             .and_then(|b| b.try_into().ok())
@@ -581,11 +585,7 @@ impl Estimator {
         s: &S,
         share: f64,
     ) -> Result<(), StoreError> {
-        s.set(&self.fleet_key(), &share.to_le_bytes(), None)
-    }
-
-    fn fleet_key(&self) -> String {
-        format!("{}fleet", self.prefix)
+        s.set(&self.fleet_key, &share.to_le_bytes(), None)
     }
 
     /// Forgets an endpoint (removed, or a new one in its slot): back to the prior.
