@@ -4,7 +4,8 @@
 //! headers and buffer the body; at end of stream (or in the trailers) parse, route and set
 //! `x-gateway-destination-endpoint: ip:port,fallback,…`. A body over `maxBodyBytes`, a parse
 //! failure, no endpoint or an internal error: no header, counted, and Envoy's fallback
-//! policy picks. Response: the first body byte releases the prefill tokens, a 5xx before it
+//! policy picks. Response: a streamed answer's first body byte releases the prefill tokens
+//! (an answer not streamed holds them to its end, which follows at once), a 5xx before it
 //! marks an early failure, and the stream's end (`on_log`, which also runs on resets)
 //! releases the request exactly once. Prompt text never leaves this module.
 
@@ -49,6 +50,8 @@ pub struct HttpFilter {
     note: Option<String>,
     first_byte: bool,
     failed_early: bool,
+    /// The request asked for a streamed answer.
+    streamed: bool,
     /// Last bytes of the response body, for `usage`.
     tail: Vec<u8>,
     /// The request's model and canonical prompt bytes (0 for token ids), for what `usage`
@@ -66,6 +69,7 @@ impl HttpFilter {
             note: None,
             first_byte: false,
             failed_early: false,
+            streamed: false,
             tail: Vec::new(),
             prompt_shape: (String::new(), 0),
         }
@@ -211,7 +215,10 @@ impl HttpFilter {
             return Action::Continue;
         }
         if !self.first_byte && !self.failed_early {
-            if end_of_stream {
+            // A streamed answer's first byte ends its prefill (and is a TTFT sample). One not
+            // streamed comes whole after its decode, its end right behind: `on_log` releases
+            // prefill and request together, one ledger update instead of two.
+            if end_of_stream || !self.streamed {
                 self.first_byte = true;
             } else {
                 self.first_byte(h);
@@ -372,6 +379,7 @@ impl HttpFilter {
                 RouteError::Store => Fallback::Store,
             })?;
         routed.ttft_sample = stream;
+        self.streamed = stream;
         if let Err(e) = h.set_request_header(DESTINATION, &routed.addresses.join(",")) {
             let _ = router.finish(&vm.recent.fresh(h), &mut routed, Outcome::FailedEarly);
             return Err(internal("setting the destination", e));

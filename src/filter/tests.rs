@@ -42,6 +42,13 @@ fn chat(system: &str, q: &str) -> Vec<u8> {
     .into_bytes()
 }
 
+/// `body` (a JSON object) asking for a streamed answer.
+fn streamed(body: &[u8]) -> Vec<u8> {
+    let mut v: serde_json::Value = serde_json::from_slice(body).unwrap();
+    v["stream"] = serde_json::Value::Bool(true);
+    v.to_string().into_bytes()
+}
+
 fn secret_prompt() -> Vec<u8> {
     chat(&"TOP-SECRET-PROMPT ".repeat(300), "question")
 }
@@ -258,7 +265,7 @@ fn bodies_over_the_limit_pass_unrouted() {
 fn first_body_byte_releases_prefill_and_the_end_releases_the_request() {
     let h = FakeHost::new();
     let vm = vm(&h, "");
-    let (mut f, _) = send(&h, &vm, CHAT, &chat(&"p".repeat(4_000), "q"));
+    let (mut f, _) = send(&h, &vm, CHAT, &streamed(&chat(&"p".repeat(4_000), "q")));
     let l = loads(&h, &vm);
     let charged: Vec<&Load> = l.iter().filter(|l| l.requests == 1).collect();
     assert_eq!(charged.len(), 1);
@@ -277,6 +284,38 @@ fn first_body_byte_releases_prefill_and_the_end_releases_the_request() {
     assert_ledger_zero(&h, &vm);
     assert_eq!(h.metric("tokenaware_requests_released"), 1);
     assert_eq!(h.metric("tokenaware_requests_failed_early"), 0);
+}
+
+#[test]
+fn an_answer_not_streamed_is_released_once_at_its_end() {
+    // It comes whole after its decode: its first body byte is no earlier news than its end,
+    // so the prefill stays charged until `on_log`, which returns everything in one update.
+    let h = FakeHost::new();
+    let vm = vm(&h, "");
+    let (mut f, _) = send(&h, &vm, CHAT, &chat(&"p".repeat(4_000), "q"));
+    h.set_response_status(200);
+    f.on_response_headers(&h, false);
+    let before = h.calls.borrow().clone();
+    *h.response_body.borrow_mut() = br#"{"choices":[],"usage":{"prompt_tokens":1000}}"#.to_vec();
+    f.on_response_body(&h, 45, false);
+    assert!(loads(&h, &vm)
+        .iter()
+        .any(|l| l.tokens > 0 && l.prefilling == 1));
+    f.on_response_body(&h, 0, true);
+    f.on_log(&h);
+    assert_eq!(h.calls_since(&before).get("set"), Some(&1));
+    assert_ledger_zero(&h, &vm);
+    assert_eq!(h.metric("tokenaware_requests_released"), 1);
+    assert_eq!(h.metric("tokenaware_requests_failed_early"), 0);
+    // A streamed answer updates the ledger at its first byte and at its end.
+    let (mut f, _) = send(&h, &vm, CHAT, &streamed(&chat(&"p".repeat(4_000), "q")));
+    h.set_response_status(200);
+    f.on_response_headers(&h, false);
+    let before = h.calls.borrow().clone();
+    f.on_response_body(&h, 45, false);
+    f.on_log(&h);
+    assert_eq!(h.calls_since(&before).get("set"), Some(&2));
+    assert_ledger_zero(&h, &vm);
 }
 
 #[test]
