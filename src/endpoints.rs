@@ -50,6 +50,64 @@ impl Endpoint {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct EndpointTable {
     pub endpoints: Vec<Endpoint>,
+    /// Requests the model servers count that this gateway did not send.
+    #[serde(default)]
+    pub foreign: ForeignLoad,
+}
+
+/// Requests the model servers report (waiting + running) that this gateway's ledger does not
+/// hold: another gateway replica in front of the same fleet, or traffic sent past the
+/// gateway. A lone gateway reads about none: a server counts a request only after it
+/// arrives, and drops it before its answer ends.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct ForeignLoad {
+    /// Moving means over polls of (the server's requests less ours, the server's requests)
+    /// per endpoint. The difference keeps its sign: a scrape and a ledger read a moment apart
+    /// differ either way by chance, and only another sender moves its mean up.
+    foreign: f64,
+    total: f64,
+    /// Whether another sender is seen (with hysteresis, so it does not flap).
+    pub seen: bool,
+}
+
+impl ForeignLoad {
+    /// A round of polls (one answer per endpoint) moves the means about this part of the way:
+    /// they span some eight rounds, so one scrape that caught a request on its way out
+    /// decides nothing.
+    const ROUND_WEIGHT: f64 = 1.0 / 8.0;
+    /// Another sender is seen from this share of the requests on, and unseen below the lower.
+    const SEEN_FROM: f64 = 0.25;
+    const UNSEEN_BELOW: f64 = 0.10;
+    /// Too few requests on the servers (per endpoint) to tell.
+    const MIN_TOTAL: f64 = 1.0;
+
+    /// One endpoint's poll, of `endpoints`: the requests its server counts and the ones our
+    /// ledger holds.
+    pub fn observe(&mut self, server_requests: f64, ours: u64, endpoints: usize) {
+        let server = if server_requests.is_finite() {
+            server_requests.max(0.0)
+        } else {
+            0.0
+        };
+        let w = Self::ROUND_WEIGHT / endpoints.max(1) as f64;
+        let foreign = server - ours as f64;
+        self.foreign += (foreign - self.foreign) * w;
+        self.total += (server - self.total) * w;
+        let share = self.share();
+        if share >= Self::SEEN_FROM {
+            self.seen = true;
+        } else if share < Self::UNSEEN_BELOW {
+            self.seen = false;
+        }
+    }
+
+    /// The share of the servers' requests this gateway did not send (0 while they are idle).
+    pub fn share(&self) -> f64 {
+        if self.total < Self::MIN_TOTAL {
+            return 0.0;
+        }
+        (self.foreign / self.total).clamp(0.0, 1.0)
+    }
 }
 
 /// What a reconcile changed: slots whose index and ledger entries must be cleared.
@@ -78,7 +136,10 @@ impl EndpointTable {
                 scraped_at_ms: 0,
             })
             .collect();
-        EndpointTable { endpoints }
+        EndpointTable {
+            endpoints,
+            foreign: ForeignLoad::default(),
+        }
     }
 
     pub fn get(&self, address: &str) -> Option<&Endpoint> {
@@ -174,6 +235,41 @@ mod tests {
         );
         assert_eq!(t.endpoints.len(), 2);
         assert_eq!(c.removed.len(), 2);
+    }
+
+    #[test]
+    fn foreign_load_is_seen_from_a_quarter_of_the_requests() {
+        let mut f = ForeignLoad::default();
+        // A lone gateway: the servers count what it sent, give or take a request or two
+        // (a scrape and a ledger read a moment apart).
+        for i in 0..200u32 {
+            let ours = 6 + i % 3;
+            f.observe(f64::from(ours - 1 + 2 * (i % 2)), u64::from(ours), 1);
+        }
+        assert!(!f.seen && f.share() < 0.02, "{f:?}");
+        // A second gateway sends as much: half of every server's requests are not ours.
+        for _ in 0..10 {
+            f.observe(8.0, 4, 1);
+        }
+        assert!(f.seen, "{f:?}");
+        assert!((f.share() - 0.5).abs() < 0.2, "{f:?}");
+        // Between the thresholds it stays as it was.
+        for _ in 0..200 {
+            f.observe(10.0, 8, 1);
+        }
+        assert!(f.seen && (f.share() - 0.2).abs() < 0.01, "{f:?}");
+        // The other gateway left.
+        for _ in 0..40 {
+            f.observe(6.0, 6, 1);
+        }
+        assert!(!f.seen, "{f:?}");
+        // Idle servers tell nothing; garbage counts as none.
+        let mut idle = ForeignLoad::default();
+        for _ in 0..50 {
+            idle.observe(f64::NAN, 0, 1);
+            idle.observe(0.2, 0, 1);
+        }
+        assert!(!idle.seen && idle.share() == 0.0, "{idle:?}");
     }
 
     #[test]

@@ -190,6 +190,11 @@ fn runaway(mut load: Load, missed: f64, prompt_tokens: u64) -> Load {
     load
 }
 
+/// Cold-placement choices while other senders are seen and the config names none: two
+/// replicas then place a new prefix on the same endpoint, or on its runner-up, where each
+/// alone would pick its own least-loaded one (docs/benchmarks.md, "Several gateways").
+pub const REPLICA_COLD_CHOICES: usize = 2;
+
 pub struct Router {
     pub cfg: Config,
     pub params: Params,
@@ -261,6 +266,21 @@ impl Router {
             self.set_learned_capacity(s, e.slot, e.capacity_blocks, x.capacity_share.min(fleet))?;
         }
         Ok(())
+    }
+
+    /// Whether the model servers count requests another sender put there (the poller's
+    /// `ForeignLoad`). Without `coldPlacementChoices` in the config, a cold prefix then may
+    /// go only to its first two endpoints by rendezvous, so that replicas, which share no
+    /// tables, mostly agree where it goes; a lone gateway places it anywhere.
+    pub fn set_replicas_seen(&mut self, seen: bool) {
+        if self.cfg.cold_placement_choices.is_some() {
+            return;
+        }
+        let choices = if seen { REPLICA_COLD_CHOICES } else { 0 };
+        if self.params.cold_choices != choices {
+            self.params.cold_choices = choices;
+            self.policy = policy::build(self.cfg.policy, self.params);
+        }
     }
 
     /// One endpoint's capacity after its share moved, capped by the fleet's share as the
@@ -367,8 +387,11 @@ impl Router {
             .ok_or(RouteError::NoEndpoints)?;
         if let Some(p) = self.relearned.take() {
             // τ moved with the learned rate: the next decision uses it.
-            self.params = p;
-            self.policy = policy::build(self.cfg.policy, p);
+            self.params = Params {
+                cold_choices: self.params.cold_choices,
+                ..p
+            };
+            self.policy = policy::build(self.cfg.policy, self.params);
         }
         let picked = healthy
             .get(decision.endpoint)

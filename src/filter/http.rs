@@ -363,6 +363,7 @@ impl HttpFilter {
             .router
             .try_borrow_mut()
             .map_err(|_| internal("router", HostError::Internal))?;
+        router.set_replicas_seen(table.foreign.seen);
         let chain = router.hash(&req);
         let tokens = router.estimate_tokens(s, &req);
         let bytes = match req.prompt_token_ids {

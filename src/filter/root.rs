@@ -35,7 +35,7 @@ use std::rc::Rc;
 use super::host::{Host, Level, MetricKind};
 use super::http::DESTINATION;
 use super::memory;
-use super::stats::{endpoint_gauge_name, Counter};
+use super::stats::{endpoint_gauge_name, Counter, FOREIGN_REQUESTS};
 use super::vm::Vm;
 use crate::config::{Config, ConfigError};
 use crate::endpoints::{Changes, EndpointTable};
@@ -408,7 +408,18 @@ impl Root {
             }
             _ => None,
         };
+        let ours = self.our_requests(h, address, now);
+        let server = match (m.waiting, m.running) {
+            (None, None) => None,
+            (w, r) => Some(w.unwrap_or(0.0) + r.unwrap_or(0.0)),
+        };
+        let mut newly_seen = false;
         let r = self.update_table(h, |t| {
+            if let (Some(server), Some(ours)) = (server, ours) {
+                let was = t.foreign.seen;
+                t.foreign.observe(server, ours, t.endpoints.len());
+                newly_seen = t.foreign.seen && !was;
+            }
             let e = t.get_mut(address)?;
             e.waiting = m.waiting;
             e.running = m.running;
@@ -421,6 +432,9 @@ impl Root {
             }
             Some((e.slot, changed))
         });
+        if newly_seen {
+            self.vm.stats.inc(h, Counter::OtherSendersSeen);
+        }
         let Ok(Some((slot, capacity))) = r else {
             return;
         };
@@ -431,6 +445,13 @@ impl Root {
         if restarted {
             self.endpoint_reset(h, address, slot);
         }
+    }
+
+    /// The requests this gateway's ledger holds on `address` (`None`: not known).
+    fn our_requests<H: Host>(&self, h: &H, address: &str, now: u64) -> Option<u64> {
+        let slot = self.vm.table(h).get(address)?.slot;
+        let router = self.vm.router.try_borrow().ok()?;
+        router.ledger.load(h, slot, now).ok().map(|l| l.requests)
     }
 
     /// A cold restart: the endpoint's cache is empty, so its index entries go.
@@ -584,6 +605,10 @@ impl Root {
         let Ok(router) = vm.router.try_borrow() else {
             return;
         };
+        let foreign = (table.foreign.share() * 100.0).round() as u64;
+        if let Some(id) = self.gauge(h, FOREIGN_REQUESTS.into()) {
+            let _ = h.record_metric(id, foreign);
+        }
         for e in &table.endpoints {
             if let (Some(id), Ok(load)) = (
                 self.gauge(h, endpoint_gauge_name(e.slot)),

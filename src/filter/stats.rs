@@ -117,10 +117,13 @@ pub enum Counter {
     EndpointResets,
     /// A TTFT sample or a `usage` observation could not be stored in the shared estimates.
     EstimateErrors,
+    /// The model servers began to count requests another sender put there (another gateway
+    /// replica): cold placement narrows to two endpoints, unless configured.
+    OtherSendersSeen,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 18] = [
+    pub const ALL: [Counter; 19] = [
         Counter::Routed,
         Counter::Released,
         Counter::FailedEarly,
@@ -139,6 +142,7 @@ impl Counter {
         Counter::CacheKept,
         Counter::EndpointResets,
         Counter::EstimateErrors,
+        Counter::OtherSendersSeen,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -161,6 +165,7 @@ impl Counter {
             Counter::CacheKept => "tokenaware_cache_prefixes_kept",
             Counter::EndpointResets => "tokenaware_endpoint_resets",
             Counter::EstimateErrors => "tokenaware_estimate_errors",
+            Counter::OtherSendersSeen => "tokenaware_other_senders_seen",
         }
     }
 
@@ -180,6 +185,8 @@ pub const VM_MEMORY: &str = "tokenaware_vm_memory_bytes";
 pub const VM_MEMORY_MAX: &str = "tokenaware_vm_memory_max_bytes";
 /// Live filter VMs in this Envoy process (workers and main thread).
 pub const VMS: &str = "tokenaware_vms";
+/// The share of the model servers' requests this gateway did not send, in per cent.
+pub const FOREIGN_REQUESTS: &str = "tokenaware_foreign_requests_pct";
 
 /// Name of the per-endpoint in-flight tokens gauge.
 pub fn endpoint_gauge_name(slot: u16) -> String {

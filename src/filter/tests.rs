@@ -758,6 +758,54 @@ fn reason_of(h: &FakeHost, vm: &Rc<Vm>, body: &[u8]) -> (String, String) {
 }
 
 #[test]
+fn requests_another_sender_put_on_the_servers_narrow_cold_placement() {
+    let h = FakeHost::new();
+    let mut r = root(&h, METRICS, 1);
+    let vm = r.vm();
+    let running = |n: u32| move |_: &str| Some(format!("vllm:num_requests_running {n}\n"));
+    let choices = |vm: &Rc<Vm>| vm.router.borrow().params.cold_choices;
+    // Servers that count no more than this gateway sent: any endpoint.
+    poll_round(&h, &mut r, running(0));
+    let (mut f, _) = send(&h, &vm, CHAT, &chat("s", "q0"));
+    respond(&h, &mut f, b"{}");
+    assert_eq!(choices(&vm), 0);
+    // Four requests on each server, none of them ours: another gateway (after a few rounds;
+    // one scrape decides nothing).
+    poll_round(&h, &mut r, running(4));
+    assert!(!vm.table(&h).foreign.seen);
+    for _ in 0..3 {
+        poll_round(&h, &mut r, running(4));
+    }
+    assert!(vm.table(&h).foreign.seen);
+    poll_round(&h, &mut r, running(4)); // its tick sends the gauges of the round before
+    assert_eq!(h.metric("tokenaware_foreign_requests_pct"), 100);
+    assert_eq!(h.metric("tokenaware_other_senders_seen"), 1);
+    let (mut f, _) = send(&h, &vm, CHAT, &chat("s", "q1"));
+    respond(&h, &mut f, b"{}");
+    assert_eq!(choices(&vm), crate::router::REPLICA_COLD_CHOICES);
+    // The other gateway stops sending: back to any endpoint once the servers go quiet.
+    for _ in 0..10 {
+        poll_round(&h, &mut r, running(0));
+    }
+    assert!(!vm.table(&h).foreign.seen);
+    let (mut f, _) = send(&h, &vm, CHAT, &chat("s", "q2"));
+    respond(&h, &mut f, b"{}");
+    assert_eq!(choices(&vm), 0);
+    // A configured number stands whatever the servers count.
+    let h = FakeHost::new();
+    let mut r = root(&h, &format!(r#"{METRICS},"coldPlacementChoices":3"#), 1);
+    let vm = r.vm();
+    for _ in 0..4 {
+        poll_round(&h, &mut r, running(4));
+    }
+    assert!(vm.table(&h).foreign.seen);
+    let (mut f, _) = send(&h, &vm, CHAT, &chat("s", "q1"));
+    respond(&h, &mut f, b"{}");
+    assert_eq!(choices(&vm), 3);
+    assert_ledger_zero(&h, &vm);
+}
+
+#[test]
 fn a_cold_restart_clears_the_endpoints_index() {
     let h = FakeHost::new();
     let mut r = root(&h, &format!("{METRICS},\"decisionHeader\":true"), 1);

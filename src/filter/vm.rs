@@ -188,6 +188,9 @@ impl Vm {
             "nowMs": now,
             "vm": format!("{:016x}", self.id),
             "poller": lease.map(|l| format!("{:016x}", l.owner)),
+            "foreignRequestsShare": (table.foreign.share() * 1000.0).round() / 1000.0,
+            "otherSendersSeen": table.foreign.seen,
+            "coldPlacementChoices": router.params.cold_choices,
             "endpoints": eps,
         });
         serde_json::to_vec_pretty(&out).unwrap_or_default()

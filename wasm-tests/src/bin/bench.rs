@@ -438,6 +438,8 @@ fn report_decisions(gw: &Gateway, target: &str) {
         "decisions_balanced",
         "decisions_promote",
         "tau_breaks",
+        "other_senders_seen",
+        "foreign_requests_pct",
     ];
     let seen: Vec<String> = names
         .iter()
