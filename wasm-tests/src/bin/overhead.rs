@@ -72,6 +72,11 @@ struct Args {
     /// unmeasured ones.
     #[arg(long, default_value_t = 3000)]
     pairs: usize,
+    /// Ask for streamed answers (`"stream": true`): the filter then returns a request's
+    /// prefill at the first body byte, one ledger update more than for an answer not
+    /// streamed (the stub answers with the same JSON either way).
+    #[arg(long)]
+    stream: bool,
     #[arg(long, default_value = "target/overhead")]
     out_dir: PathBuf,
 }
@@ -122,11 +127,12 @@ struct Row {
     added_cpu_us: f64,
 }
 
-fn chat_body(bytes: usize) -> String {
+fn chat_body(bytes: usize, stream: bool) -> String {
     let unit = "Shared system prompt for the overhead run. ";
     json!({
         "model": MODEL,
         "max_tokens": 1,
+        "stream": stream,
         "messages": [
             {"role": "system", "content": unit.repeat(bytes.saturating_sub(120) / unit.len())},
             {"role": "user", "content": "question 1"}
@@ -270,7 +276,7 @@ async fn main() -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for size in args.sizes.clone() {
         let body = dir.join(format!("body-{size}.json"));
-        let body_text = chat_body(size);
+        let body_text = chat_body(size, args.stream);
         std::fs::write(&body, &body_text)?;
         for round in 0..args.rounds {
             // Alternate which gateway runs first, so drift in the machine's load is shared.
