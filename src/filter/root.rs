@@ -87,11 +87,12 @@ pub struct Root {
     polling: HashSet<String>,
     next_discovery_ms: u64,
     next_metrics_ms: u64,
-    /// Consecutive failed polls per endpoint.
+    /// Consecutive failed polls per endpoint (of the table; pruned at discovery).
     failures: HashMap<String, u32>,
     /// Endpoints Envoy reports unhealthy (discovery).
     envoy_down: HashSet<String>,
-    /// Last scraped prefix-cache query counter per endpoint (restart detection).
+    /// Last scraped prefix-cache query counter per endpoint of the table (restart
+    /// detection; pruned at discovery).
     prefix_queries: HashMap<String, f64>,
     /// Gauge ids by metric name.
     gauges: HashMap<String, u32>,
@@ -100,6 +101,12 @@ pub struct Root {
 }
 
 impl Root {
+    /// Per-endpoint poll records held (failures, counters), for the bounded-memory tests.
+    #[cfg(test)]
+    pub(crate) fn poll_records(&self) -> usize {
+        self.failures.len() + self.prefix_queries.len()
+    }
+
     /// Parses and validates the plugin configuration and sets up this VM. `id` must differ
     /// between VMs (it is the lease owner).
     pub fn configure<H: Host>(h: &H, bytes: &[u8], id: u64) -> Result<Root, ConfigError> {
@@ -512,6 +519,10 @@ impl Root {
             (c, t.clone())
         });
         let Ok((changes, table)) = r else { return };
+        // Endpoints that left take their poll history along: with pods coming and going
+        // under new addresses these would otherwise grow for as long as the VM lives.
+        self.failures.retain(|a, _| table.get(a).is_some());
+        self.prefix_queries.retain(|a, _| table.get(a).is_some());
         for address in &back {
             if let Some(e) = table.get(address) {
                 self.endpoint_reset(h, address, e.slot);

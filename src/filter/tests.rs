@@ -5,7 +5,7 @@ use std::rc::Rc;
 
 use super::http::{DECISION, DESTINATION, DESTINATION_SERVED};
 use super::stats::endpoint_gauge_name;
-use super::testing::FakeHost;
+use super::testing::{Dispatched, FakeHost};
 use super::vm::Vm;
 use super::{Action, HttpFilter, Root};
 use crate::ledger::Load;
@@ -1218,4 +1218,56 @@ fn the_poller_caps_learned_capacities_by_the_fleet_share() {
             share(slot)
         );
     }
+}
+
+#[test]
+fn poll_records_of_departed_endpoints_are_dropped() {
+    // Pods come and go under new addresses: what the poller keeps per endpoint must not
+    // outlive the endpoint, or it grows for as long as the VM runs.
+    let h = FakeHost::new();
+    let json = format!(
+        r#"{{"discovery":{{"adminCluster":"admin","modelCluster":"models","intervalMs":100}}{METRICS}}}"#
+    );
+    let mut r = match Root::configure(&h, json.as_bytes(), 1) {
+        Ok(r) => r,
+        Err(e) => panic!("{e}"),
+    };
+    for round in 0..40u16 {
+        // Two endpoints a round, both new: one answers its polls with counters, the other
+        // fails them.
+        let ports = [1_000 + 2 * round, 1_001 + 2 * round];
+        for _ in 0..2 {
+            h.now.set(h.now.get() + 500);
+            r.on_tick(&h);
+            for c in h.take_dispatched() {
+                answer_call(&h, &mut r, &c, &ports, u64::from(round));
+            }
+        }
+        assert_eq!(r.poll_records(), 2, "round {round}");
+    }
+}
+
+/// Answers a discovery call with hosts `10.0.0.1:{ports}`, a poll of the first port with a
+/// query counter, and fails the others.
+fn answer_call(h: &FakeHost, r: &mut Root, c: &Dispatched, ports: &[u16], counter: u64) {
+    let text = match c.headers.iter().find(|(k, _)| k == DESTINATION) {
+        None => {
+            let hosts: Vec<serde_json::Value> = ports
+                .iter()
+                .map(|p| serde_json::json!({"address":{"socket_address":{"address":"10.0.0.1","port_value":p}}}))
+                .collect();
+            serde_json::json!({"cluster_statuses":[{"name":"models","host_statuses":hosts}]})
+                .to_string()
+        }
+        Some((_, d)) if d.ends_with(&format!(":{}", ports[0])) => {
+            queries(counter).unwrap_or_default()
+        }
+        Some(_) => {
+            h.set_call_answer(None, b"");
+            r.on_call_response(h, c.token, 0, 0);
+            return;
+        }
+    };
+    h.set_call_answer(Some(200), text.as_bytes());
+    r.on_call_response(h, c.token, 2, text.len());
 }
