@@ -74,9 +74,16 @@ struct Args {
     pairs: usize,
     /// Ask for streamed answers (`"stream": true`): the filter then returns a request's
     /// prefill at the first body byte, one ledger update more than for an answer not
-    /// streamed (the stub answers with the same JSON either way).
+    /// streamed (without `--events` the stub answers with the same JSON either way).
     #[arg(long)]
     stream: bool,
+    /// With `--stream`: the stub answers with this many token events, one write each,
+    /// `--event-gap-ms` apart, then `usage` and `[DONE]`, as a model server streams (each
+    /// event reaches the filter as its own body chunk). 0: the JSON in one piece.
+    #[arg(long, default_value_t = 0)]
+    events: usize,
+    #[arg(long, default_value_t = 1.0)]
+    event_gap_ms: f64,
     #[arg(long, default_value = "target/overhead")]
     out_dir: PathBuf,
 }
@@ -240,7 +247,11 @@ async fn main() -> anyhow::Result<()> {
         wasm.is_file(),
         "build the filter first: cargo build --release --target wasm32-wasip1 -p tokenaware"
     );
-    let eps = wasm_tests::instant::start(args.endpoints).await?;
+    let streaming = wasm_tests::instant::Streaming {
+        events: args.events,
+        gap: std::time::Duration::from_secs_f64(args.event_gap_ms.max(0.0) / 1000.0),
+    };
+    let eps = wasm_tests::instant::start_with(args.endpoints, streaming).await?;
     let list: Vec<_> = eps.iter().map(|a| json!({ "address": a })).collect();
     let plugin = with_extra(json!({ "endpoints": list }), args.extra.as_deref())?;
     let plain = match &args.baseline_wasm {
