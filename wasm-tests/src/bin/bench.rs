@@ -36,6 +36,7 @@ use wasm_tests::envoy::{repo_root, Envoy, FallbackLb, GatewayConfig};
 use wasm_tests::fleet::{Fleet, FleetConfig, Timing, MODEL};
 use wasm_tests::loadgen::{self, Stage, Summary, Target, Workload, WorkloadKind, SEED_GROUPS};
 use wasm_tests::ratewatch::{Poll, RateWatch, Reached};
+use wasm_tests::replicas::Deal;
 
 const TARGETS: [&str; 6] = [
     "envoy-round-robin",
@@ -102,6 +103,11 @@ struct Args {
     /// them (`wasm_tests::replicas`); rows are labelled `TARGET xN`.
     #[arg(long, value_delimiter = ',', default_values_t = [1])]
     gateways: Vec<usize>,
+    /// How arrivals are dealt over several gateways: `alternate` (round-robin, every prefix
+    /// reaches every gateway) or `by-group` (a hash of the prefix group, as a balancer with
+    /// affinity by tenant would).
+    #[arg(long, value_enum, default_value_t = Deal::Alternate)]
+    deal: Deal,
     /// Output directory.
     #[arg(long, default_value = "target/bench")]
     out_dir: PathBuf,
@@ -170,6 +176,8 @@ struct Profile {
     kv_report_factor: f64,
     /// seed-sim's prefix groups (`--groups`).
     groups: usize,
+    /// How arrivals are dealt over several gateways (`--deal`).
+    deal: Deal,
 }
 
 fn profile(kind: WorkloadKind, quick: bool) -> Profile {
@@ -225,6 +233,7 @@ fn profile(kind: WorkloadKind, quick: bool) -> Profile {
         slow_endpoints: 0,
         kv_report_factor: 1.0,
         groups: SEED_GROUPS,
+        deal: Deal::Alternate,
     }
 }
 
@@ -725,6 +734,7 @@ async fn run_one(
         20_000,
         p.time_factor,
         &label,
+        p.deal,
         |s| end.after(s),
     )
     .await;
@@ -805,6 +815,7 @@ async fn main() -> anyhow::Result<()> {
         }
         p.slow_endpoints = a.slow_endpoints;
         p.kv_report_factor = a.kv_report_factor;
+        p.deal = a.deal;
         if let Some(g) = a.groups {
             anyhow::ensure!(g > 0, "--groups: at least one group");
             p.groups = g;

@@ -206,6 +206,7 @@ pub async fn ladder(
         max_per_stage,
         time_factor,
         label,
+        crate::replicas::Deal::Alternate,
         stop,
     )
     .await
