@@ -26,6 +26,9 @@ pub struct Endpoint {
     pub kv_usage: Option<f64>,
     #[serde(default)]
     pub scraped_at_ms: u64,
+    /// Uncached prompt tokens per second the server itself counts (see `ServedWork`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub served_work_per_s: Option<u64>,
 }
 
 impl Endpoint {
@@ -110,6 +113,54 @@ impl ForeignLoad {
     }
 }
 
+/// The prompt tokens a server prefilled (`prefix_cache_queries - prefix_cache_hits`: what its
+/// cache did not hold) per second, from the counters it exports. Every sender's work is in
+/// them, and gateway replicas read the same counters, where each one's ledger counts only
+/// its own. The rate spans between one and two windows, as the ledger's own does.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ServedWork {
+    /// (time ms, prefilled tokens) at the start of the current window and of the one before.
+    start: Option<(u64, f64)>,
+    before: Option<(u64, f64)>,
+    /// The last query counter read: a drop means the server restarted.
+    queries: f64,
+}
+
+impl ServedWork {
+    const WINDOW_MS: u64 = 10_000;
+    /// A rate over less than this is mostly the polls' timing.
+    const MIN_SPAN_MS: u64 = 2_000;
+
+    /// One scrape's counters at `now_ms`. Returns whether the server restarted (its
+    /// query counter went back), and the rate when one can be told.
+    pub fn observe(&mut self, now_ms: u64, queries: f64, hits: Option<f64>) -> (bool, Option<u64>) {
+        if !queries.is_finite() {
+            return (false, None);
+        }
+        let restarted = queries < self.queries;
+        if restarted {
+            *self = ServedWork::default();
+        }
+        self.queries = queries;
+        let Some(hits) = hits.filter(|h| h.is_finite()) else {
+            return (restarted, None);
+        };
+        let done = (queries - hits).max(0.0);
+        match self.start {
+            Some((t, _)) if now_ms.saturating_sub(t) < Self::WINDOW_MS => {}
+            _ => {
+                self.before = self.start;
+                self.start = Some((now_ms, done));
+            }
+        }
+        let rate = self.before.or(self.start).and_then(|(t, v)| {
+            let span = now_ms.saturating_sub(t);
+            (span >= Self::MIN_SPAN_MS).then(|| ((done - v).max(0.0) * 1000.0 / span as f64) as u64)
+        });
+        (restarted, rate)
+    }
+}
+
 /// What a reconcile changed: slots whose index and ledger entries must be cleared.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Changes {
@@ -134,6 +185,7 @@ impl EndpointTable {
                 kv_usage: None,
                 running: None,
                 scraped_at_ms: 0,
+                served_work_per_s: None,
             })
             .collect();
         EndpointTable {
@@ -187,6 +239,7 @@ impl EndpointTable {
                 kv_usage: None,
                 running: None,
                 scraped_at_ms: 0,
+                served_work_per_s: None,
             });
         }
         changes
@@ -235,6 +288,58 @@ mod tests {
         );
         assert_eq!(t.endpoints.len(), 2);
         assert_eq!(c.removed.len(), 2);
+    }
+
+    #[test]
+    fn served_work_is_a_rate_over_one_to_two_windows() {
+        let mut w = ServedWork::default();
+        // Queries less hits: 0, then 1,000 more prefilled tokens a second.
+        assert_eq!(w.observe(0, 0.0, Some(0.0)), (false, None));
+        // Under two seconds the polls' timing is most of the figure.
+        assert_eq!(w.observe(1_000, 1_500.0, Some(500.0)), (false, None));
+        assert_eq!(
+            w.observe(4_000, 6_000.0, Some(2_000.0)),
+            (false, Some(1_000))
+        );
+        // Past a window the rate spans from the window before's start: a burst moves it
+        // by its share of the span, and it is forgotten two windows on.
+        assert_eq!(
+            w.observe(10_000, 12_000.0, Some(2_000.0)),
+            (false, Some(1_000))
+        );
+        assert_eq!(
+            w.observe(15_000, 57_000.0, Some(2_000.0)),
+            (false, Some(3_666))
+        );
+        assert_eq!(
+            w.observe(20_000, 62_000.0, Some(2_000.0)),
+            (false, Some(5_000))
+        );
+        assert_eq!(
+            w.observe(30_000, 72_000.0, Some(2_000.0)),
+            (false, Some(1_000))
+        );
+        // Hits only ever lag queries here, but a rate never goes below zero.
+        assert_eq!(
+            w.observe(31_000, 72_000.0, Some(13_000.0)),
+            (false, Some(0))
+        );
+    }
+
+    #[test]
+    fn served_work_starts_over_when_the_server_restarts() {
+        let mut w = ServedWork::default();
+        w.observe(0, 0.0, Some(0.0));
+        assert_eq!(w.observe(5_000, 50_000.0, Some(0.0)), (false, Some(10_000)));
+        // The counter went back: a restart, and no rate until the new one spans enough.
+        assert_eq!(w.observe(6_000, 100.0, Some(0.0)), (true, None));
+        assert_eq!(w.observe(9_000, 3_100.0, Some(0.0)), (false, Some(1_000)));
+        // Without a hits counter: restarts still show, no rate.
+        let mut w = ServedWork::default();
+        assert_eq!(w.observe(0, 500.0, None), (false, None));
+        assert_eq!(w.observe(9_000, 100.0, None), (true, None));
+        assert_eq!(w.observe(9_500, f64::NAN, Some(0.0)), (false, None));
+        assert_eq!(w.observe(10_000, 50.0, None), (true, None));
     }
 
     #[test]

@@ -204,6 +204,9 @@ pub struct Router {
     pub estimator: Estimator,
     /// Params with τ from the learned rates, when they moved enough to matter.
     relearned: Option<Params>,
+    /// Other senders are seen on the servers: each endpoint's recent work is then read from
+    /// its own counters too, where every sender's is.
+    replicas_seen: bool,
     seq: u64,
 }
 
@@ -221,6 +224,7 @@ impl Router {
         Router {
             estimator,
             relearned: None,
+            replicas_seen: false,
             policy: policy::build(cfg.policy, params),
             params,
             index,
@@ -273,6 +277,7 @@ impl Router {
     /// go only to its first two endpoints by rendezvous, so that replicas, which share no
     /// tables, mostly agree where it goes; a lone gateway places it anywhere.
     pub fn set_replicas_seen(&mut self, seen: bool) {
+        self.replicas_seen = seen;
         if self.cfg.cold_placement_choices.is_some() {
             return;
         }
@@ -463,8 +468,12 @@ impl Router {
             .iter()
             .map(|e| {
                 let m = self.index.matched(s, e.slot, &chain.hashes)?;
-                let (local, work_per_s, missed) = self.ledger.read_all(s, e.slot, now_ms)?;
+                let (local, own_work, missed) = self.ledger.read_all(s, e.slot, now_ms)?;
                 let scraped = e.scraped(now_ms, stale);
+                let work_per_s = match (self.replicas_seen, scraped) {
+                    (true, Some(_)) => own_work.max(e.served_work_per_s.unwrap_or(0)),
+                    _ => own_work,
+                };
                 let raw = runaway(blend(local, scraped, tokens), missed, tokens);
                 let est = match self.cfg.learns() {
                     true => Some(self.estimator.read(s, e.slot)?),
@@ -719,6 +728,35 @@ mod tests {
         let s = MemStore::new();
         r.sync_capacities(&s, &table.endpoints).unwrap();
         (r, table, s)
+    }
+
+    #[test]
+    fn replicas_count_the_servers_own_prefill_work() {
+        // Another gateway's cold fills are in a server's counters, not in this ledger: while
+        // other senders are seen, an endpoint busy with them is not taken for an idle one.
+        let now = 5_000;
+        let (_, mut t, _) = router("");
+        for e in &mut t.endpoints {
+            e.scraped_at_ms = now;
+        }
+        // Each pick on fresh tables, so the prompt is cold every time.
+        let pick = |t: &EndpointTable, replicas: bool| {
+            let (mut r, _, s) = router(r#","coldPlacementChoices":3"#);
+            r.set_replicas_seen(replicas);
+            let chain = r.hash(&chat(&"x".repeat(4_000), "q"));
+            let routed = r.route(&s, &t.endpoints, &chain, 1_000, now).unwrap();
+            assert_eq!(routed.decision.reason, crate::policy::Reason::Cold);
+            routed.addresses[0].clone()
+        };
+        let first = pick(&t, true);
+        let busy = t.endpoints.iter().position(|e| e.address == first).unwrap();
+        t.endpoints[busy].served_work_per_s = Some(5_000);
+        assert_ne!(pick(&t, true), first);
+        // A lone gateway's ledger has all the work there is: the counters are not read.
+        assert_eq!(pick(&t, false), first);
+        // Nor are they from a stale scrape.
+        t.endpoints[busy].scraped_at_ms = 0;
+        assert_eq!(pick(&t, true), first);
     }
 
     fn chat(system: &str, question: &str) -> InferenceRequest {

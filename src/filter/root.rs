@@ -38,7 +38,7 @@ use super::memory;
 use super::stats::{endpoint_gauge_name, Counter, FOREIGN_REQUESTS};
 use super::vm::Vm;
 use crate::config::{Config, ConfigError};
-use crate::endpoints::{Changes, EndpointTable};
+use crate::endpoints::{Changes, EndpointTable, ServedWork};
 use crate::estimator::Estimate;
 use crate::prometheus::{parse_metrics, ServerMetrics};
 use crate::store::{read_u64, update, write_u64, SharedStore, StoreError};
@@ -91,9 +91,9 @@ pub struct Root {
     failures: HashMap<String, u32>,
     /// Endpoints Envoy reports unhealthy (discovery).
     envoy_down: HashSet<String>,
-    /// Last scraped prefix-cache query counter per endpoint of the table (restart
-    /// detection; pruned at discovery).
-    prefix_queries: HashMap<String, f64>,
+    /// Prefix-cache counters per endpoint: restart detection and the server's own prefill
+    /// rate. Entries of endpoints that left are dropped at discovery.
+    served: HashMap<String, ServedWork>,
     /// Gauge ids by metric name.
     gauges: HashMap<String, u32>,
     /// This configuration's generation (see the module docs).
@@ -104,7 +104,7 @@ impl Root {
     /// Per-endpoint poll records held (failures, counters), for the bounded-memory tests.
     #[cfg(test)]
     pub(crate) fn poll_records(&self) -> usize {
-        self.failures.len() + self.prefix_queries.len()
+        self.failures.len() + self.served.len()
     }
 
     /// Parses and validates the plugin configuration and sets up this VM. `id` must differ
@@ -138,7 +138,7 @@ impl Root {
             next_metrics_ms: 0,
             failures: HashMap::new(),
             envoy_down: HashSet::new(),
-            prefix_queries: HashMap::new(),
+            served: HashMap::new(),
             gauges: HashMap::new(),
         };
         if newest && root.vm.cfg.discovery.is_none() {
@@ -401,13 +401,17 @@ impl Root {
             .failures
             .remove(address)
             .is_some_and(|n| n >= UNHEALTHY_AFTER);
-        let counter_reset = m.prefix_queries.is_some_and(|q| {
-            self.prefix_queries
-                .insert(address.to_string(), q)
-                .is_some_and(|before| q < before)
-        });
-        let restarted = was_down || counter_reset;
         let now = h.now_ms().unwrap_or(0);
+        let (counter_reset, served_work) = match m.prefix_queries {
+            Some(q) => {
+                self.served
+                    .entry(address.to_string())
+                    .or_default()
+                    .observe(now, q, m.prefix_hits)
+            }
+            None => (false, None),
+        };
+        let restarted = was_down || counter_reset;
         let healthy = !self.envoy_down.contains(address);
         let capacity = match (m.num_gpu_blocks, m.block_size) {
             (Some(n), Some(b)) if n >= 1.0 && b >= 1.0 => {
@@ -432,6 +436,7 @@ impl Root {
             e.running = m.running;
             e.kv_usage = m.kv_usage;
             e.scraped_at_ms = now;
+            e.served_work_per_s = served_work;
             e.healthy = healthy;
             let changed = capacity.filter(|c| *c != e.capacity_blocks);
             if let Some(c) = changed {
@@ -522,7 +527,7 @@ impl Root {
         // Endpoints that left take their poll history along: with pods coming and going
         // under new addresses these would otherwise grow for as long as the VM lives.
         self.failures.retain(|a, _| table.get(a).is_some());
-        self.prefix_queries.retain(|a, _| table.get(a).is_some());
+        self.served.retain(|a, _| table.get(a).is_some());
         for address in &back {
             if let Some(e) = table.get(address) {
                 self.endpoint_reset(h, address, e.slot);

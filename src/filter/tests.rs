@@ -1271,3 +1271,39 @@ fn answer_call(h: &FakeHost, r: &mut Root, c: &Dispatched, ports: &[u16], counte
     h.set_call_answer(Some(200), text.as_bytes());
     r.on_call_response(h, c.token, 2, text.len());
 }
+
+#[test]
+fn the_poller_keeps_each_servers_own_prefill_rate() {
+    // What the servers prefilled for every sender (queries less hits), for replicas to read
+    // alike; a second of polls is too short to tell.
+    let h = FakeHost::new();
+    let mut r = root(&h, METRICS, 1);
+    let vm = r.vm();
+    let counters = |round: u64| {
+        move |_: &str| {
+            Some(format!(
+                "vllm:prefix_cache_queries_total{{model_name=\"m\"}} {}.0\nvllm:prefix_cache_hits_total{{model_name=\"m\"}} {}.0\n",
+                round * 3_000,
+                round * 1_000
+            ))
+        }
+    };
+    for round in 0..2 {
+        poll_round(&h, &mut r, counters(round));
+    }
+    assert!(vm
+        .table(&h)
+        .endpoints
+        .iter()
+        .all(|e| e.served_work_per_s.is_none()));
+    for round in 2..4 {
+        poll_round(&h, &mut r, counters(round));
+    }
+    let rates: Vec<_> = vm
+        .table(&h)
+        .endpoints
+        .iter()
+        .map(|e| e.served_work_per_s)
+        .collect();
+    assert!(rates.iter().all(|r| *r == Some(2_000)), "{rates:?}");
+}
