@@ -1306,4 +1306,6 @@ fn the_poller_keeps_each_servers_own_prefill_rate() {
         .map(|e| e.served_work_per_s)
         .collect();
     assert!(rates.iter().all(|r| *r == Some(2_000)), "{rates:?}");
+    let debug: serde_json::Value = serde_json::from_slice(&vm.debug_json(&h)).unwrap();
+    assert_eq!(debug["endpoints"][0]["serverPrefillTokensPerS"], 2_000);
 }

@@ -155,6 +155,7 @@ impl Vm {
                     "waiting": e.waiting,
                     "running": e.running,
                     "scrapedAtMs": e.scraped_at_ms,
+                    "serverPrefillTokensPerS": e.served_work_per_s,
                     "inflightTokens": load.tokens,
                     "activeRequests": load.requests,
                     "prefilling": load.prefilling,
