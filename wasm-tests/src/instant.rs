@@ -39,7 +39,7 @@ async fn answer(body: Bytes, streaming: Streaming) -> Response {
         return whole(body.len() / 4).into_response();
     }
     let tokens = body.len() / 4;
-    let usage = format!(
+    let usage = Bytes::from(format!(
         concat!(
             r#"data: {{"id":"x","object":"chat.completion.chunk","model":"sim-model","choices":[],"#,
             r#""usage":{{"prompt_tokens":{},"completion_tokens":{},"total_tokens":{},"prompt_tokens_details":{{"cached_tokens":{}}}}}}}"#,
@@ -49,14 +49,14 @@ async fn answer(body: Bytes, streaming: Streaming) -> Response {
         streaming.events,
         tokens + streaming.events,
         tokens
-    );
+    ));
     let events = futures_util::stream::iter(0..=streaming.events).then(move |i| {
         let usage = usage.clone();
         async move {
             tokio::time::sleep(streaming.gap).await;
             let event = match i < streaming.events {
                 true => Bytes::from_static(TOKEN_EVENT.as_bytes()),
-                false => Bytes::from(usage),
+                false => usage,
             };
             Ok::<_, Infallible>(event)
         }
