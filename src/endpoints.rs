@@ -116,7 +116,10 @@ impl ForeignLoad {
 /// The prompt tokens a server prefilled (`prefix_cache_queries - prefix_cache_hits`: what its
 /// cache did not hold) per second, from the counters it exports. Every sender's work is in
 /// them, and gateway replicas read the same counters, where each one's ledger counts only
-/// its own. The rate spans between one and two windows, as the ledger's own does.
+/// its own. The rate is over one to two windows, as the ledger's own is: until a window has
+/// passed, what was done so far is divided by a whole window. A rate over the few seconds
+/// since the first scrape, times the placement's 20 s horizon, made each cold fill another
+/// gateway sent weigh ten of this one's own (which the ledger spreads over a window).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ServedWork {
     /// (time ms, prefilled tokens) at the start of the current window and of the one before.
@@ -128,8 +131,6 @@ pub struct ServedWork {
 
 impl ServedWork {
     const WINDOW_MS: u64 = 10_000;
-    /// A rate over less than this is mostly the polls' timing.
-    const MIN_SPAN_MS: u64 = 2_000;
 
     /// One scrape's counters at `now_ms`. Returns whether the server restarted (its
     /// query counter went back), and the rate when one can be told.
@@ -155,7 +156,11 @@ impl ServedWork {
         }
         let rate = self.before.or(self.start).and_then(|(t, v)| {
             let span = now_ms.saturating_sub(t);
-            (span >= Self::MIN_SPAN_MS).then(|| ((done - v).max(0.0) * 1000.0 / span as f64) as u64)
+            if span == 0 {
+                return None;
+            }
+            let span = span.max(Self::WINDOW_MS);
+            Some(((done - v).max(0.0) * 1000.0 / span as f64) as u64)
         });
         (restarted, rate)
     }
@@ -295,12 +300,10 @@ mod tests {
         let mut w = ServedWork::default();
         // Queries less hits: 0, then 1,000 more prefilled tokens a second.
         assert_eq!(w.observe(0, 0.0, Some(0.0)), (false, None));
-        // Under two seconds the polls' timing is most of the figure.
-        assert_eq!(w.observe(1_000, 1_500.0, Some(500.0)), (false, None));
-        assert_eq!(
-            w.observe(4_000, 6_000.0, Some(2_000.0)),
-            (false, Some(1_000))
-        );
+        // Within the first window, what was done so far spread over a whole window: a
+        // burst reads as a window's worth of work, not as a rate over its few seconds.
+        assert_eq!(w.observe(1_000, 1_500.0, Some(500.0)), (false, Some(100)));
+        assert_eq!(w.observe(4_000, 6_000.0, Some(2_000.0)), (false, Some(400)));
         // Past a window the rate spans from the window before's start: a burst moves it
         // by its share of the span, and it is forgotten two windows on.
         assert_eq!(
@@ -330,10 +333,10 @@ mod tests {
     fn served_work_starts_over_when_the_server_restarts() {
         let mut w = ServedWork::default();
         w.observe(0, 0.0, Some(0.0));
-        assert_eq!(w.observe(5_000, 50_000.0, Some(0.0)), (false, Some(10_000)));
-        // The counter went back: a restart, and no rate until the new one spans enough.
+        assert_eq!(w.observe(5_000, 50_000.0, Some(0.0)), (false, Some(5_000)));
+        // The counter went back: a restart, and the rate starts over from that scrape.
         assert_eq!(w.observe(6_000, 100.0, Some(0.0)), (true, None));
-        assert_eq!(w.observe(9_000, 3_100.0, Some(0.0)), (false, Some(1_000)));
+        assert_eq!(w.observe(9_000, 3_100.0, Some(0.0)), (false, Some(300)));
         // Without a hits counter: restarts still show, no rate.
         let mut w = ServedWork::default();
         assert_eq!(w.observe(0, 500.0, None), (false, None));

@@ -31,7 +31,7 @@ const SHARE_ONE: u32 = 1 << 16;
 /// Each checked prediction moves the missed share this part of the way to 0 or 1.
 const MISSED_WEIGHT: u32 = 8;
 /// Length of one work-rate window.
-const WORK_WINDOW_MS: u64 = 10_000;
+pub const WORK_WINDOW_MS: u64 = 10_000;
 
 /// One endpoint's load as this gateway knows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

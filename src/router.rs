@@ -7,7 +7,7 @@ use crate::config::{Config, PolicyName, TtftSource};
 use crate::endpoints::Endpoint;
 use crate::estimator::{cache_check, CacheCheck, Estimate, Estimator, TtftSample, POOL_PRESSURE};
 use crate::index::{AffinityIndex, InsertReceipt};
-use crate::ledger::{blend, Charge, Load, LoadLedger};
+use crate::ledger::{blend, Charge, Load, LoadLedger, WORK_WINDOW_MS};
 use crate::policy::{self, Ask, Candidate, Decision, Params, Policy};
 use crate::prefix::{chain_seed, hash_prompt, BlockChain};
 use crate::request::InferenceRequest;
@@ -471,7 +471,13 @@ impl Router {
                 let (local, own_work, missed) = self.ledger.read_all(s, e.slot, now_ms)?;
                 let scraped = e.scraped(now_ms, stale);
                 let work_per_s = match (self.replicas_seen, scraped) {
-                    (true, Some(_)) => own_work.max(e.served_work_per_s.unwrap_or(0)),
+                    (true, Some(_)) => {
+                        // A server counts a prefill once it is done: what this gateway sent
+                        // since is in its ledger alone, as a window's worth of work.
+                        let pending = local.tokens.saturating_mul(1000) / WORK_WINDOW_MS;
+                        let served = e.served_work_per_s.unwrap_or(0);
+                        own_work.max(served.saturating_add(pending))
+                    }
                     _ => own_work,
                 };
                 let raw = runaway(blend(local, scraped, tokens), missed, tokens);
@@ -757,6 +763,39 @@ mod tests {
         // Nor are they from a stale scrape.
         t.endpoints[busy].scraped_at_ms = 0;
         assert_eq!(pick(&t, true), first);
+    }
+
+    #[test]
+    fn a_replicas_own_fills_count_on_top_of_what_the_servers_counted() {
+        // The servers count a prefill once it is done. Until then a cold fill this gateway
+        // sent is in its ledger alone, and must add to the servers' rate, not hide under it:
+        // taking the larger of the two let one gateway put five cold fills in a row on the
+        // endpoint whose counters read least (through Envoy, two gateways by tenant).
+        let now = 5_000;
+        let (mut r, mut t, s) = router("");
+        for e in &mut t.endpoints {
+            e.scraped_at_ms = now;
+            e.served_work_per_s = Some(1_000);
+        }
+        r.set_replicas_seen(true);
+        let healthy: Vec<&Endpoint> = t.endpoints.iter().collect();
+        let chain = r.hash(&chat(&"x".repeat(4_000), "q"));
+        let routed = r.route(&s, &t.endpoints, &chain, 1_000, now).unwrap();
+        assert_eq!(routed.decision.reason, crate::policy::Reason::Cold);
+        let (fleet, _) = r.candidates(&s, &healthy, &chain, 1_000, now).unwrap();
+        let pending = routed.uncached * 1_000 / WORK_WINDOW_MS;
+        assert!(pending > 0);
+        for (c, e) in fleet.iter().zip(&t.endpoints) {
+            let expected = match e.address == routed.addresses[0] {
+                true => 1_000 + pending,
+                false => 1_000,
+            };
+            assert_eq!(c.work_per_s, expected, "{}", e.address);
+        }
+        // A lone gateway counts its own work only.
+        r.set_replicas_seen(false);
+        let (fleet, _) = r.candidates(&s, &healthy, &chain, 1_000, now).unwrap();
+        assert!(fleet.iter().all(|c| c.work_per_s < 1_000));
     }
 
     fn chat(system: &str, question: &str) -> InferenceRequest {
