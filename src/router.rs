@@ -472,8 +472,10 @@ impl Router {
                 let scraped = e.scraped(now_ms, stale);
                 let work_per_s = match (self.replicas_seen, scraped) {
                     (true, Some(_)) => {
-                        // A server counts a prefill once it is done: what this gateway sent
-                        // since is in its ledger alone, as a window's worth of work.
+                        // The servers' counters show a request once it is scheduled there
+                        // (vLLM) and once a poll has read them: what this gateway sent since
+                        // is in its ledger alone. Its tokens in flight count on top, as a
+                        // window's worth of work (during a prefill they count twice).
                         let pending = local.tokens.saturating_mul(1000) / WORK_WINDOW_MS;
                         let served = e.served_work_per_s.unwrap_or(0);
                         own_work.max(served.saturating_add(pending))
@@ -767,8 +769,9 @@ mod tests {
 
     #[test]
     fn a_replicas_own_fills_count_on_top_of_what_the_servers_counted() {
-        // The servers count a prefill once it is done. Until then a cold fill this gateway
-        // sent is in its ledger alone, and must add to the servers' rate, not hide under it:
+        // The servers' counters show a cold fill only once it is scheduled and polled. Until
+        // then it is in this gateway's ledger alone, and must add to the servers' rate, not
+        // hide under it:
         // taking the larger of the two let one gateway put five cold fills in a row on the
         // endpoint whose counters read least (through Envoy, two gateways by tenant).
         let now = 5_000;

@@ -223,6 +223,11 @@ async fn run(ep: Arc<Endpoint>) {
                 admitted += 1;
                 s.cached = cached;
                 s.computed = cached;
+                // vLLM counts the prefix-cache lookup when it schedules a request
+                // (`get_computed_blocks`), before its prefill.
+                ep.prefix_queries
+                    .fetch_add(s.tokens as u64, Ordering::Relaxed);
+                ep.prefix_hits.fetch_add(cached as u64, Ordering::Relaxed);
                 ep.kv_used_blocks
                     .fetch_add(s.kv_blocks(), Ordering::Relaxed);
                 q.running.push(s);
@@ -301,9 +306,6 @@ async fn run(ep: Arc<Endpoint>) {
                 }
             } else if s.computed >= s.tokens {
                 filled.push(std::mem::take(&mut s.hashes));
-                ep.prefix_queries
-                    .fetch_add(s.tokens as u64, Ordering::Relaxed);
-                ep.prefix_hits.fetch_add(s.cached as u64, Ordering::Relaxed);
                 ep.prompt_tokens
                     .fetch_add(s.tokens as u64, Ordering::Relaxed);
                 s.generated = 1;
