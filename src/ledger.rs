@@ -26,7 +26,12 @@ const SLOT_BYTES: usize = 24;
 const WORK_AT: usize = RING * SLOT_BYTES;
 /// Then the recent share of predicted hits that missed, in 1/65,536ths.
 const MISSED_AT: usize = WORK_AT + 24;
-const VALUE: usize = MISSED_AT + 8;
+/// Then the uncached tokens charged in each of the last `RECENT` quarter seconds:
+/// (quarter-second number, tokens), for what the servers' counters cannot show yet.
+const RECENT_AT: usize = MISSED_AT + 8;
+const RECENT: usize = 8;
+const RECENT_MS: u64 = 250;
+const VALUE: usize = RECENT_AT + RECENT * 8;
 const SHARE_ONE: u32 = 1 << 16;
 /// Each checked prediction moves the missed share this part of the way to 0 or 1.
 const MISSED_WEIGHT: u32 = 8;
@@ -206,6 +211,31 @@ impl LoadLedger {
         Ok((load, work, missed))
     }
 
+    /// Uncached tokens charged since `since_ms` (to a quarter second, and at most the last
+    /// two seconds): what a poll of the server's counters at `since_ms` cannot have shown.
+    pub fn charged_since<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        now_ms: u64,
+        since_ms: u64,
+    ) -> Result<u64, StoreError> {
+        let (v, _) = s.get(&self.key(slot))?;
+        let v = v.unwrap_or_default();
+        // Quarter seconds are kept in 32 bits; ages are told by wrapping differences.
+        let now_q = (now_ms / RECENT_MS) as u32;
+        let since_age = now_q.wrapping_sub((since_ms / RECENT_MS) as u32);
+        let total = (0..RECENT)
+            .map(|i| RECENT_AT + i * 8)
+            .filter(|&at| {
+                let age = now_q.wrapping_sub(read_u32(&v, at));
+                age < RECENT as u32 && age <= since_age
+            })
+            .map(|at| u64::from(read_u32(&v, at + 4)))
+            .sum();
+        Ok(total)
+    }
+
     /// Drops an endpoint's load (removed from the fleet).
     pub fn clear<S: SharedStore + ?Sized>(&self, s: &S, slot: u16) -> Result<(), StoreError> {
         s.set(&self.key(slot), &[0u8; VALUE], None)
@@ -266,11 +296,28 @@ impl LoadLedger {
                 let mut w = Work::read(&v).rolled(now_ms);
                 w.cur = w.cur.saturating_add(tokens);
                 w.write(&mut v);
+                add_recent(&mut v, now_ms, tokens);
             }
             Some((v, ()))
         })
         .map(|_| ())
     }
+}
+
+/// Adds a charge to its quarter second's slot, claiming the slot from an older quarter.
+fn add_recent(v: &mut [u8], now_ms: u64, tokens: u64) {
+    let q = (now_ms / RECENT_MS) as u32;
+    let at = RECENT_AT + (q as usize % RECENT) * 8;
+    let held = match read_u32(v, at) == q {
+        true => read_u32(v, at + 4),
+        false => 0,
+    };
+    write_u32(v, at, q);
+    write_u32(
+        v,
+        at + 4,
+        held.saturating_add(tokens.min(u64::from(u32::MAX)) as u32),
+    );
 }
 
 /// Uncached tokens charged in the current and the previous window.
@@ -458,6 +505,33 @@ mod tests {
         l.release_checked(&s, &mut old, Some(true)).unwrap();
         assert!(share(later) > before);
         assert_eq!(l.load(&s, 0, later).unwrap().tokens, 7);
+    }
+
+    #[test]
+    fn charged_since_counts_what_a_poll_then_could_not_have_shown() {
+        let s = MemStore::new();
+        let l = LoadLedger::new("t", 600);
+        let mut c = l.charge(&s, 0, 100, 10_000).unwrap();
+        l.charge(&s, 0, 200, 10_300).unwrap();
+        l.charge(&s, 0, 400, 10_600).unwrap();
+        // A first byte does not take a charge back out: the servers counted it or not.
+        l.release_prefill(&s, &mut c).unwrap();
+        // Polled at 10,250 ms: the charges from that quarter second on (a poll's counters
+        // may predate its answer a little).
+        assert_eq!(l.charged_since(&s, 0, 10_700, 10_250).unwrap(), 600);
+        assert_eq!(l.charged_since(&s, 0, 10_700, 10_700).unwrap(), 400);
+        // A poll older than the ring: the last two seconds.
+        assert_eq!(l.charged_since(&s, 0, 10_700, 0).unwrap(), 700);
+        assert_eq!(l.charged_since(&s, 0, 12_100, 0).unwrap(), 600);
+        assert_eq!(l.charged_since(&s, 0, 13_000, 0).unwrap(), 0);
+        // A new quarter second claims the slot of one two seconds older.
+        l.charge(&s, 0, 50, 12_000).unwrap();
+        assert_eq!(l.charged_since(&s, 0, 12_100, 0).unwrap(), 650);
+        // Milliseconds since 1970 overflow 32 bits of quarter seconds: ages still count.
+        let t = 1_800_000_000_000;
+        l.charge(&s, 1, 30, t).unwrap();
+        assert_eq!(l.charged_since(&s, 1, t + 10, t - 1_000).unwrap(), 30);
+        assert_eq!(l.charged_since(&s, 1, t + 3_000, t - 1_000).unwrap(), 0);
     }
 
     #[test]

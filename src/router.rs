@@ -473,10 +473,15 @@ impl Router {
                 let work_per_s = match (self.replicas_seen, scraped) {
                     (true, Some(_)) => {
                         // The servers' counters show a request once it is scheduled there
-                        // (vLLM) and once a poll has read them: what this gateway sent since
-                        // is in its ledger alone. Its tokens in flight count on top, as a
-                        // window's worth of work (during a prefill they count twice).
-                        let pending = local.tokens.saturating_mul(1000) / WORK_WINDOW_MS;
+                        // (vLLM) and a poll has read them: what this gateway sent since the
+                        // last poll is in its ledger alone, and counts on top, as a window's
+                        // worth of work. (Counting all its tokens in flight counted each
+                        // prefill twice, and steered this gateway away from its own fills
+                        // more than from the other's.)
+                        let since =
+                            self.ledger
+                                .charged_since(s, e.slot, now_ms, e.scraped_at_ms)?;
+                        let pending = since.saturating_mul(1000) / WORK_WINDOW_MS;
                         let served = e.served_work_per_s.unwrap_or(0);
                         own_work.max(served.saturating_add(pending))
                     }
@@ -795,6 +800,16 @@ mod tests {
             };
             assert_eq!(c.work_per_s, expected, "{}", e.address);
         }
+        // Once a poll after the charge has read the servers' counters, they show it (a
+        // poll at the very moment: this config has no metrics, so any older one is stale).
+        let later = now + 600;
+        for e in &mut t.endpoints {
+            e.scraped_at_ms = later;
+        }
+        let healthy: Vec<&Endpoint> = t.endpoints.iter().collect();
+        let (fleet, _) = r.candidates(&s, &healthy, &chain, 1_000, later).unwrap();
+        let works: Vec<u64> = fleet.iter().map(|c| c.work_per_s).collect();
+        assert!(works.iter().all(|&w| w == 1_000), "{works:?}");
         // A lone gateway counts its own work only.
         r.set_replicas_seen(false);
         let (fleet, _) = r.candidates(&s, &healthy, &chain, 1_000, now).unwrap();
