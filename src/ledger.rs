@@ -31,7 +31,11 @@ const MISSED_AT: usize = WORK_AT + 24;
 const RECENT_AT: usize = MISSED_AT + 8;
 const RECENT: usize = 8;
 const RECENT_MS: u64 = 250;
-const VALUE: usize = RECENT_AT + RECENT * 8;
+/// Then the cold placements this gateway made there, decaying with `PLACED_HALF_LIFE_S`:
+/// (count as f32, second of the last update).
+const PLACED_AT: usize = RECENT_AT + RECENT * 8;
+const PLACED_HALF_LIFE_S: f32 = 120.0;
+const VALUE: usize = PLACED_AT + 8;
 const SHARE_ONE: u32 = 1 << 16;
 /// Each checked prediction moves the missed share this part of the way to 0 or 1.
 const MISSED_WEIGHT: u32 = 8;
@@ -95,8 +99,21 @@ impl LoadLedger {
         tokens: u64,
         now_ms: u64,
     ) -> Result<Charge, StoreError> {
+        self.charge_placed(s, slot, tokens, now_ms, false)
+    }
+
+    /// `charge`; `placed`: the request places a prefix cold there (counted in `placed`).
+    pub fn charge_placed<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        tokens: u64,
+        now_ms: u64,
+        placed: bool,
+    ) -> Result<Charge, StoreError> {
         let epoch = self.epoch(now_ms);
-        self.apply(s, slot, epoch, Some((now_ms, tokens)), |b| {
+        let work = Some((now_ms, tokens, placed));
+        self.apply_with(s, slot, (epoch, work, None), |b| {
             b.requests = b.requests.saturating_add(1);
             b.prefilling = b.prefilling.saturating_add(1);
             b.tokens = b.tokens.saturating_add(tokens);
@@ -236,6 +253,18 @@ impl LoadLedger {
         Ok(total)
     }
 
+    /// Cold placements this gateway made on the endpoint, each counting less as it ages
+    /// (half after `PLACED_HALF_LIFE_S`): roughly how many prefixes it placed there lately.
+    pub fn placed<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        slot: u16,
+        now_ms: u64,
+    ) -> Result<f64, StoreError> {
+        let (v, _) = s.get(&self.key(slot))?;
+        Ok(f64::from(placed_at(&v.unwrap_or_default(), now_ms)))
+    }
+
     /// Drops an endpoint's load (removed from the fleet).
     pub fn clear<S: SharedStore + ?Sized>(&self, s: &S, slot: u16) -> Result<(), StoreError> {
         s.set(&self.key(slot), &[0u8; VALUE], None)
@@ -252,6 +281,7 @@ impl LoadLedger {
         work: Option<(u64, u64)>,
         f: impl Fn(&mut Bucket),
     ) -> Result<(), StoreError> {
+        let work = work.map(|(now_ms, tokens)| (now_ms, tokens, false));
         self.apply_with(s, slot, (epoch, work, None), f)
     }
 
@@ -261,7 +291,7 @@ impl LoadLedger {
         &self,
         s: &S,
         slot: u16,
-        (epoch, work, missed): (u32, Option<(u64, u64)>, Option<bool>),
+        (epoch, work, missed): (u32, Option<(u64, u64, bool)>, Option<bool>),
         f: impl Fn(&mut Bucket),
     ) -> Result<(), StoreError> {
         let claim = work.is_some();
@@ -292,16 +322,33 @@ impl LoadLedger {
             }
             f(&mut b);
             b.write(&mut v, i);
-            if let Some((now_ms, tokens)) = work {
+            if let Some((now_ms, tokens, placed)) = work {
                 let mut w = Work::read(&v).rolled(now_ms);
                 w.cur = w.cur.saturating_add(tokens);
                 w.write(&mut v);
                 add_recent(&mut v, now_ms, tokens);
+                if placed {
+                    let count = placed_at(&v, now_ms) + 1.0;
+                    write_u32(&mut v, PLACED_AT, count.to_bits());
+                    write_u32(&mut v, PLACED_AT + 4, (now_ms / 1000) as u32);
+                }
             }
             Some((v, ()))
         })
         .map(|_| ())
     }
+}
+
+/// The decayed placement count of a value at `now_ms` (0 for anything not a count).
+fn placed_at(v: &[u8], now_ms: u64) -> f32 {
+    let count = f32::from_bits(read_u32(v, PLACED_AT));
+    if !count.is_finite() || count <= 0.0 {
+        return 0.0;
+    }
+    let age_s = ((now_ms / 1000) as u32).wrapping_sub(read_u32(v, PLACED_AT + 4));
+    // A wrapped age (a clock that went back) counts as fresh.
+    let age_s = if age_s > u32::MAX / 2 { 0 } else { age_s };
+    count * 0.5f32.powf(age_s as f32 / PLACED_HALF_LIFE_S)
 }
 
 /// Adds a charge to its quarter second's slot, claiming the slot from an older quarter.
@@ -431,6 +478,27 @@ mod tests {
     use super::*;
     use crate::store::MemStore;
 
+    #[test]
+    fn cold_placements_are_counted_and_fade() {
+        let s = MemStore::new();
+        let l = LoadLedger::new("ns", 600);
+        for t in 0..3 {
+            let mut c = l.charge_placed(&s, 1, 100, 1_000 + t, true).unwrap();
+            l.release(&s, &mut c).unwrap();
+        }
+        l.charge(&s, 1, 100, 1_500).unwrap();
+        assert_eq!(l.placed(&s, 1, 1_500).unwrap(), 3.0);
+        assert_eq!(l.placed(&s, 0, 1_500).unwrap(), 0.0);
+        // Half after the half-life; a clock read before the last update counts it fresh.
+        let half = l.placed(&s, 1, 1_000 + 120_000).unwrap();
+        assert!((half - 1.5).abs() < 1e-3, "{half}");
+        assert_eq!(l.placed(&s, 1, 0).unwrap(), 3.0);
+        // Garbage where the count is reads as none.
+        let mut v = s.get("ns/ld/1").unwrap().0.unwrap().to_vec();
+        write_u32(&mut v, PLACED_AT, f32::NAN.to_bits());
+        s.set("ns/ld/1", &v, None).unwrap();
+        assert_eq!(l.placed(&s, 1, 1_500).unwrap(), 0.0);
+    }
     #[test]
     fn charge_and_release_paths() {
         let s = MemStore::new();

@@ -16,6 +16,7 @@ pub mod prefix;
 pub mod prometheus;
 pub mod request;
 pub mod router;
+pub mod shared_prefixes;
 pub mod store;
 // The proxy-wasm binding; never in test binaries (their runner has no proxy-wasm host).
 #[cfg(all(target_arch = "wasm32", not(test)))]

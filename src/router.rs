@@ -8,9 +8,10 @@ use crate::endpoints::Endpoint;
 use crate::estimator::{cache_check, CacheCheck, Estimate, Estimator, TtftSample, POOL_PRESSURE};
 use crate::index::{AffinityIndex, InsertReceipt};
 use crate::ledger::{blend, Charge, Load, LoadLedger, WORK_WINDOW_MS};
-use crate::policy::{self, Ask, Candidate, Decision, Params, Policy};
+use crate::policy::{self, Ask, Candidate, Decision, Params, Policy, Reason};
 use crate::prefix::{chain_seed, hash_prompt, BlockChain};
 use crate::request::InferenceRequest;
+use crate::shared_prefixes::SharedPrefixes;
 use crate::store::{ReadCache, SharedStore, StoreError};
 
 /// Why a request could not be routed; the caller lets Envoy's own balancing take it.
@@ -207,6 +208,8 @@ pub struct Router {
     /// Other senders are seen on the servers: each endpoint's recent work is then read from
     /// its own counters too, where every sender's is.
     replicas_seen: bool,
+    /// Shared-data key of [`SharedPrefixes`] (built once).
+    shared_key: String,
     seq: u64,
 }
 
@@ -225,6 +228,7 @@ impl Router {
             estimator,
             relearned: None,
             replicas_seen: false,
+            shared_key: format!("{}/sp", cfg.namespace),
             policy: policy::build(cfg.policy, params),
             params,
             index,
@@ -286,6 +290,32 @@ impl Router {
             self.params.cold_choices = choices;
             self.policy = policy::build(self.cfg.policy, self.params);
         }
+    }
+
+    /// The process-wide [`SharedPrefixes`] mark, as stored.
+    pub fn shared_prefixes<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+    ) -> Result<SharedPrefixes, StoreError> {
+        SharedPrefixes::read(s, &self.shared_key)
+    }
+
+    /// With other senders seen, reads whether they send this gateway's prefixes
+    /// ([`SharedPrefixes`], counted per process): cold placement then leans to the first
+    /// of a prefix's choices. A failed read keeps what was known.
+    pub fn sync_shared_prefixes<S: SharedStore + ?Sized>(
+        &mut self,
+        s: &S,
+    ) -> Result<(), StoreError> {
+        let on = match self.replicas_seen {
+            true => self.shared_prefixes(s)?.on,
+            false => false,
+        };
+        if self.params.shared_prefixes != on {
+            self.params.shared_prefixes = on;
+            self.policy = policy::build(self.cfg.policy, self.params);
+        }
+        Ok(())
     }
 
     /// One endpoint's capacity after its share moved, capped by the fleet's share as the
@@ -394,6 +424,7 @@ impl Router {
             // τ moved with the learned rate: the next decision uses it.
             self.params = Params {
                 cold_choices: self.params.cold_choices,
+                shared_prefixes: self.params.shared_prefixes,
                 ..p
             };
             self.policy = policy::build(self.cfg.policy, self.params);
@@ -405,7 +436,10 @@ impl Router {
             .get(decision.endpoint)
             .map(|c| ask.uncached(c))
             .unwrap_or(tokens);
-        let mut charge = self.ledger.charge(s, picked.slot, uncached, now_ms)?;
+        let cold = decision.reason == Reason::Cold;
+        let mut charge = self
+            .ledger
+            .charge_placed(s, picked.slot, uncached, now_ms, cold)?;
         let receipt =
             match self
                 .index
@@ -492,6 +526,10 @@ impl Router {
                     true => Some(self.estimator.read(s, e.slot)?),
                     false => None,
                 };
+                let placed = match self.replicas_seen && self.params.shared_prefixes {
+                    true => self.ledger.placed(s, e.slot, now_ms)?,
+                    false => 0.0,
+                };
                 let c = Candidate {
                     id: e.id(),
                     matched_blocks: m.blocks,
@@ -507,6 +545,7 @@ impl Router {
                     rank: m.rank,
                     idle_s: m.used_s.map(|t| ((now_ms / 1000) as u32).saturating_sub(t)),
                     speed: 1.0,
+                    placed,
                 };
                 let settled = m
                     .written_s
@@ -676,9 +715,23 @@ impl Router {
             cache_check(predicted, c, prompt, block_tokens)
         });
         r.cache_check = Some(check);
+        // A cold placement found cached, while other senders are seen, is another replica's
+        // prefix (`SharedPrefixes`), not one the index forgot: it says nothing about the
+        // endpoint's cache size.
+        let cold = r.decision.reason == Reason::Cold && self.replicas_seen;
+        let learned_check = match (cold, check) {
+            (true, CacheCheck::Kept) => CacheCheck::NotPredicted,
+            _ => check,
+        };
+        let recorded =
+            match cold && cached_tokens.is_some() && learned_check == CacheCheck::NotPredicted {
+                true => SharedPrefixes::record(s, &self.shared_key, check == CacheCheck::Kept)
+                    .map(|_| check),
+                false => Ok(check),
+            };
         // The check still counts in the stats; only learning needs the shared estimates.
         if !self.cfg.learns() {
-            return Ok(check);
+            return recorded;
         }
         self.estimator
             .observe_bytes_per_token(s, model, prompt_bytes, prompt_tokens)?;
@@ -690,11 +743,11 @@ impl Router {
             .map(|d| d as f64 / r.capacity_blocks.max(1) as f64);
         let share = self
             .estimator
-            .observe_served(s, r.charge.slot, ttft, check, depth)?;
+            .observe_served(s, r.charge.slot, ttft, learned_check, depth)?;
         if let Some(share) = share {
             self.sync_capacity(s, r.charge.slot, r.capacity_blocks, share)?;
         }
-        Ok(check)
+        recorded
     }
 
     /// The request ended. Idempotent.
@@ -770,6 +823,35 @@ mod tests {
         // Nor are they from a stale scrape.
         t.endpoints[busy].scraped_at_ms = 0;
         assert_eq!(pick(&t, true), first);
+    }
+
+    #[test]
+    fn cold_placements_found_cached_mark_shared_prefixes() {
+        // Replicas dealt round robin: this gateway's cold placements come back cached
+        // (another replica placed the prefix there first). Past the mark, cold placement
+        // leans to a prefix's first choice. Replicas behind affinity, whose cold placements
+        // come back uncached, and a lone gateway, which records nothing, are not marked.
+        let run = |replicas: bool, cached: u64| {
+            let (mut r, t, s) = router("");
+            r.set_replicas_seen(replicas);
+            for p in 0..40u64 {
+                let chain = r.hash(&chat(&format!("{p:04}{}", "x".repeat(4_000)), "q"));
+                let mut routed = r.route(&s, &t.endpoints, &chain, 1_000, p * 100).unwrap();
+                assert_eq!(routed.decision.reason, Reason::Cold);
+                r.observe_usage(&s, &mut routed, ("m", 4_000), 1_000, Some(cached))
+                    .unwrap();
+                r.finish(&s, &mut routed, Outcome::Done).unwrap();
+            }
+            r.sync_shared_prefixes(&s).unwrap();
+            (
+                r.params.shared_prefixes,
+                r.shared_prefixes(&s).unwrap().share(),
+            )
+        };
+        let (on, share) = run(true, 900);
+        assert!(on && share > 0.99, "{on} {share}");
+        assert_eq!(run(true, 0), (false, 0.0));
+        assert_eq!(run(false, 900), (false, 0.0));
     }
 
     #[test]

@@ -364,6 +364,9 @@ impl HttpFilter {
             .try_borrow_mut()
             .map_err(|_| internal("router", HostError::Internal))?;
         router.set_replicas_seen(table.foreign.seen);
+        if router.sync_shared_prefixes(s).is_err() {
+            vm.stats.inc(h, Counter::EstimateErrors);
+        }
         let chain = router.hash(&req);
         let tokens = router.estimate_tokens(s, &req);
         let bytes = match req.prompt_token_ids {

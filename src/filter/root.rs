@@ -35,7 +35,7 @@ use std::rc::Rc;
 use super::host::{Host, Level, MetricKind};
 use super::http::DESTINATION;
 use super::memory;
-use super::stats::{endpoint_gauge_name, Counter, FOREIGN_REQUESTS};
+use super::stats::{endpoint_gauge_name, Counter, FOREIGN_REQUESTS, SHARED_PREFIXES};
 use super::vm::Vm;
 use crate::config::{Config, ConfigError};
 use crate::endpoints::{Changes, EndpointTable, ServedWork};
@@ -624,6 +624,12 @@ impl Root {
         let foreign = (table.foreign.share() * 100.0).round() as u64;
         if let Some(id) = self.gauge(h, FOREIGN_REQUESTS.into()) {
             let _ = h.record_metric(id, foreign);
+        }
+        if let (Some(id), Ok(shared)) = (
+            self.gauge(h, SHARED_PREFIXES.into()),
+            router.shared_prefixes(h),
+        ) {
+            let _ = h.record_metric(id, (shared.share() * 100.0).round() as u64);
         }
         for e in &table.endpoints {
             if let (Some(id), Ok(load)) = (

@@ -111,11 +111,13 @@ pub enum Counter {
     /// index assumed (its capacity share is lowered).
     CacheMisses,
     /// Nothing was predicted, yet `cached_tokens` covered most of the prompt: the endpoint
-    /// kept a prefix the index had let go of (its capacity share is raised).
+    /// kept a prefix the index had let go of (its capacity share is raised), or, with other
+    /// senders seen, a cold placement found another replica's prefix there.
     CacheKept,
     /// Endpoints seen to restart cold (their index entries dropped).
     EndpointResets,
-    /// A TTFT sample or a `usage` observation could not be stored in the shared estimates.
+    /// A TTFT sample or a `usage` observation could not be stored in the shared estimates,
+    /// or the shared-prefix mark (`shared_prefixes`) could not be read or written.
     EstimateErrors,
     /// The model servers began to count requests another sender put there (another gateway
     /// replica): cold placement narrows to two endpoints, unless configured.
@@ -187,6 +189,9 @@ pub const VM_MEMORY_MAX: &str = "tokenaware_vm_memory_max_bytes";
 pub const VMS: &str = "tokenaware_vms";
 /// The share of the model servers' requests this gateway did not send, in per cent.
 pub const FOREIGN_REQUESTS: &str = "tokenaware_foreign_requests_pct";
+/// The share of recent cold placements whose answer found the prompt cached (another
+/// replica had placed it), in per cent; counted only while other senders are seen.
+pub const SHARED_PREFIXES: &str = "tokenaware_cold_found_cached_pct";
 
 /// Name of the per-endpoint in-flight tokens gauge.
 pub fn endpoint_gauge_name(slot: u16) -> String {

@@ -806,6 +806,38 @@ fn requests_another_sender_put_on_the_servers_narrow_cold_placement() {
 }
 
 #[test]
+fn replicas_whose_cold_prompts_come_back_cached_lean_to_the_first_choice() {
+    let h = FakeHost::new();
+    let mut r = root(&h, METRICS, 1);
+    let vm = r.vm();
+    let running = |n: u32| move |_: &str| Some(format!("vllm:num_requests_running {n}\n"));
+    let shared = |vm: &Rc<Vm>| vm.router.borrow().params.shared_prefixes;
+    for _ in 0..4 {
+        poll_round(&h, &mut r, running(4));
+    }
+    assert!(vm.table(&h).foreign.seen);
+    // Prompts new to this gateway (each its own system prompt) that the servers had cached:
+    // another replica sent them first.
+    let usage =
+        br#"{"usage":{"prompt_tokens":1200,"prompt_tokens_details":{"cached_tokens":1200}}}"#;
+    for i in 0..12 {
+        let system = format!("{i} {}", "s".repeat(4_800));
+        let (mut f, _) = send(&h, &vm, CHAT, &chat(&system, "q"));
+        // Ten placements before one is enough to tell.
+        assert_eq!(shared(&vm), i >= 10, "request {i}");
+        respond(&h, &mut f, usage);
+    }
+    let (mut f, _) = send(&h, &vm, CHAT, &chat("another", "q"));
+    respond(&h, &mut f, b"{}");
+    assert!(shared(&vm));
+    poll_round(&h, &mut r, running(4));
+    poll_round(&h, &mut r, running(4));
+    assert_eq!(h.metric("tokenaware_cache_prefixes_kept"), 12);
+    assert_eq!(h.metric("tokenaware_cold_found_cached_pct"), 100);
+    assert_ledger_zero(&h, &vm);
+}
+
+#[test]
 fn a_cold_restart_clears_the_endpoints_index() {
     let h = FakeHost::new();
     let mut r = root(&h, &format!("{METRICS},\"decisionHeader\":true"), 1);

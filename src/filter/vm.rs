@@ -192,6 +192,7 @@ impl Vm {
             "foreignRequestsShare": (table.foreign.share() * 1000.0).round() / 1000.0,
             "otherSendersSeen": table.foreign.seen,
             "coldPlacementChoices": router.params.cold_choices,
+            "sharedPrefixes": router.params.shared_prefixes,
             "endpoints": eps,
         });
         serde_json::to_vec_pretty(&out).unwrap_or_default()

@@ -51,6 +51,9 @@ pub struct Candidate {
     /// Learned prefill rate over the configured one (1 without learning): this request's
     /// uncached tokens cost `1 / speed` reference tokens each there.
     pub speed: f64,
+    /// Prefixes this gateway placed there lately (decaying cold placements; read only when
+    /// other replicas send this gateway's prefixes, else 0).
+    pub placed: f64,
 }
 
 impl Candidate {
@@ -79,6 +82,7 @@ impl Default for Candidate {
             rank: None,
             idle_s: None,
             speed: 1.0,
+            placed: 0.0,
         }
     }
 }
@@ -185,6 +189,9 @@ pub struct Params {
     pub fallbacks: usize,
     /// Endpoints a cold prefix may go to, by rendezvous on its first block (0: all).
     pub cold_choices: usize,
+    /// Other gateway replicas send this one's prefixes (`shared_prefixes`): with
+    /// `cold_choices`, a cold prefix leans to the first of its choices.
+    pub shared_prefixes: bool,
 }
 
 impl Params {
@@ -197,6 +204,7 @@ impl Params {
             picker: c.picker,
             fallbacks: c.fallbacks as usize,
             cold_choices: c.cold_placement_choices.unwrap_or(0) as usize,
+            shared_prefixes: false,
         }
     }
 }

@@ -14,6 +14,7 @@ pub fn params() -> Params {
         picker: Picker::MaxScore,
         fallbacks: 2,
         cold_choices: 0,
+        shared_prefixes: false,
     }
 }
 
@@ -46,6 +47,7 @@ pub fn fleet(spec: &[(usize, u64)]) -> Vec<Candidate> {
             rank: None,
             idle_s: None,
             speed: 1.0,
+            placed: 0.0,
         })
         .collect()
 }

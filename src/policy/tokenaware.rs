@@ -52,6 +52,15 @@ const COLD_BAND: f64 = 0.2;
 /// With `cold_choices` (gateway replicas), the share of the cheapest cold key within which
 /// the choices count as tied.
 const REPLICA_BAND: f64 = 0.25;
+/// When other replicas send this gateway's prefixes (replicas dealt round robin), a cold
+/// prefix is most often one another replica already placed, by its view of load seconds
+/// earlier; a choice by this gateway's view now agrees with it little better than a coin.
+/// So the first of its choices takes it unless that one took this many more prefixes
+/// lately than the other (each replica counts the prefixes it placed, and dealt round robin
+/// each sees nearly all of them, so the counts agree far longer than loads do) ...
+const PLACED_SLACK: f64 = 4.0;
+/// ... or its cost is more than twice the cheaper one's plus a prompt.
+const SHARED_COST_FACTOR: u64 = 2;
 /// An evicted prefix last used `idle` seconds ago is asked for again soon with weight
 /// `EVICT_HORIZON_S / (EVICT_HORIZON_S + idle)`; a likely refill counts as this share of a
 /// prompt's prefill (the refill lands on whichever endpoint is free then).
@@ -156,6 +165,25 @@ impl Tokenaware {
         pool
     }
 
+    /// The first of `pool` by rendezvous on `head` that has placed at most `PLACED_SLACK`
+    /// more prefixes lately than the pool's fewest, and that `fits`.
+    fn first_not_ahead(
+        fleet: &[Candidate],
+        pool: &[usize],
+        head: u64,
+        fits: impl Fn(usize) -> bool,
+    ) -> Option<usize> {
+        let fewest = pool
+            .iter()
+            .map(|&i| fleet[i].placed)
+            .fold(f64::INFINITY, f64::min);
+        let mut order = pool.to_vec();
+        order.sort_by_key(|&i| std::cmp::Reverse(rendezvous(head, fleet[i].id)));
+        order
+            .into_iter()
+            .find(|&i| fleet[i].placed <= fewest + PLACED_SLACK && fits(i))
+    }
+
     /// Cold placement trades queue and recent work against what the prompt would evict.
     fn cold(&self, ask: &Ask, fleet: &[Candidate]) -> Option<usize> {
         if let Some(i) = self.still_held(ask, fleet) {
@@ -189,6 +217,12 @@ impl Tokenaware {
             .min_by_key(|&i| key(i));
         if recalled.is_some() {
             return recalled;
+        }
+        if self.p.cold_choices > 0 && self.p.shared_prefixes {
+            let limit = min.saturating_mul(SHARED_COST_FACTOR) + ask.tokens;
+            if let Some(i) = Self::first_not_ahead(fleet, &pool, head, |i| key(i) <= limit) {
+                return Some(i);
+            }
         }
         let near: Vec<usize> = pool
             .iter()
@@ -460,6 +494,53 @@ mod tests {
         }
         let agree = |v: &[bool]| v.iter().filter(|&&x| x).count();
         assert!(agree(&limited) > agree(&open), "{limited:?} vs {open:?}");
+    }
+
+    #[test]
+    fn replicas_that_share_prefixes_lean_to_the_first_choice() {
+        let two = |shared| Tokenaware {
+            p: Params {
+                cold_choices: 2,
+                shared_prefixes: shared,
+                ..params()
+            },
+        };
+        // Two gateways' views of the same fleet, each endpoint's queue within 2x of the
+        // others' but ranked differently: by their own view they often pick apart; leaning
+        // to the first choice, they agree on every prompt.
+        let a = fleet(&[(0, 4_000), (0, 12_000), (0, 6_000), (0, 10_000), (0, 8_000)]);
+        let b = fleet(&[(0, 12_000), (0, 4_000), (0, 10_000), (0, 6_000), (0, 8_000)]);
+        let (mut shared, mut own) = (0, 0);
+        for p in 0..40u64 {
+            let chain: Vec<u64> = (p * 100..p * 100 + 10).collect();
+            let pick = |t: &Tokenaware, f: &[Candidate]| t.pick(&ask(&chain), f, 0).unwrap();
+            let (sa, sb) = (pick(&two(true), &a), pick(&two(true), &b));
+            assert_eq!((sa.reason, sb.reason), (Reason::Cold, Reason::Cold));
+            shared += usize::from(sa.endpoint == sb.endpoint);
+            own += usize::from(pick(&two(false), &a).endpoint == pick(&two(false), &b).endpoint);
+        }
+        assert_eq!(shared, 40);
+        assert!(own < 30, "{own} of 40 agree by their own views");
+        // A first choice that placed more than `PLACED_SLACK` prefixes more than the other
+        // lately is passed over: the shared order bends to balance.
+        let chain: Vec<u64> = (0..10).collect();
+        let pool = two(true).cold_pool(chain[0], &a);
+        let mut f = a.clone();
+        let pick = |f: &[Candidate]| two(true).pick(&ask(&chain), f, 0).unwrap().endpoint;
+        assert_eq!(pick(&f), pool[0]);
+        f[pool[1]].placed = 1.0;
+        f[pool[0]].placed = 1.0 + PLACED_SLACK;
+        assert_eq!(pick(&f), pool[0]);
+        f[pool[0]].placed = 1.5 + PLACED_SLACK;
+        assert_eq!(pick(&f), pool[1]);
+        // Nor is a first choice taken whose cost is more than twice the other's plus a
+        // prompt (10,000 tokens here).
+        let mut f = a.clone();
+        let other = f[pool[1]].load.tokens + 10_000;
+        f[pool[0]].load.tokens = 2 * other;
+        assert_eq!(pick(&f), pool[0]);
+        f[pool[0]].load.tokens = 2 * other + 1;
+        assert_eq!(pick(&f), pool[1]);
     }
 
     /// A hot prefix (last sent a second ago) warm only on a half-speed endpoint; endpoints 1

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 
 use tokenaware::config::{Config, PRESETS};
 use tokenaware::filter::stats::{
-    endpoint_gauge_name, Counter, Fallback, FOREIGN_REQUESTS, HIT_RATIO, TOKEN_ESTIMATE, VMS,
-    VM_MEMORY, VM_MEMORY_MAX,
+    endpoint_gauge_name, Counter, Fallback, FOREIGN_REQUESTS, HIT_RATIO, SHARED_PREFIXES,
+    TOKEN_ESTIMATE, VMS, VM_MEMORY, VM_MEMORY_MAX,
 };
 use tokenaware::policy::Reason;
 
@@ -118,7 +118,16 @@ fn every_stat_is_in_the_stats_table() {
     names.extend(Counter::ALL.iter().map(|c| c.name().to_string()));
     names.push(HIT_RATIO.to_string());
     names.push(TOKEN_ESTIMATE.to_string());
-    names.extend([VM_MEMORY, VM_MEMORY_MAX, VMS, FOREIGN_REQUESTS].map(str::to_string));
+    names.extend(
+        [
+            VM_MEMORY,
+            VM_MEMORY_MAX,
+            VMS,
+            FOREIGN_REQUESTS,
+            SHARED_PREFIXES,
+        ]
+        .map(str::to_string),
+    );
     let gauge = endpoint_gauge_name(7);
     assert_eq!(gauge, "tokenaware_endpoint_7_inflight_tokens");
     names.push(gauge.replace("_7_", "_<slot>_"));

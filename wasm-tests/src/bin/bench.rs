@@ -449,6 +449,7 @@ fn report_decisions(gw: &Gateway, target: &str) {
         "tau_breaks",
         "other_senders_seen",
         "foreign_requests_pct",
+        "cold_found_cached_pct",
     ];
     let seen: Vec<String> = names
         .iter()
