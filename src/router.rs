@@ -723,12 +723,13 @@ impl Router {
             (true, CacheCheck::Kept) => CacheCheck::NotPredicted,
             _ => check,
         };
-        let recorded =
-            match cold && cached_tokens.is_some() && learned_check == CacheCheck::NotPredicted {
-                true => SharedPrefixes::record(s, &self.shared_key, check == CacheCheck::Kept)
-                    .map(|_| check),
-                false => Ok(check),
-            };
+        // Only placements with nothing predicted tell (`Kept` or `NotPredicted`).
+        let unpredicted = matches!(check, CacheCheck::Kept | CacheCheck::NotPredicted);
+        let recorded = match cold && cached_tokens.is_some() && unpredicted {
+            true => SharedPrefixes::record(s, &self.shared_key, check == CacheCheck::Kept)
+                .map(|_| check),
+            false => Ok(check),
+        };
         // The check still counts in the stats; only learning needs the shared estimates.
         if !self.cfg.learns() {
             return recorded;
