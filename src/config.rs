@@ -171,6 +171,24 @@ pub struct MetricsConfig {
     pub stale_after_ms: u64,
 }
 
+/// Other gateway replicas whose new placements this one learns (see `peers`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PeersConfig {
+    /// One Envoy cluster per peer replica; each is polled at `path`.
+    pub clusters: Vec<String>,
+    /// The path this gateway answers peers' polls on, and polls them at.
+    #[serde(default = "default_peers_path")]
+    pub path: String,
+    #[serde(default = "default_peers_interval_ms")]
+    pub interval_ms: u64,
+    #[serde(default = "default_peers_timeout_ms")]
+    pub timeout_ms: u64,
+}
+
+/// Most peer clusters polled.
+pub const MAX_PEERS: usize = 16;
+
 /// The whole plugin configuration. Field names are camelCase in JSON.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
@@ -201,6 +219,8 @@ pub struct Config {
     pub endpoints: Vec<EndpointConfig>,
     pub discovery: Option<DiscoveryConfig>,
     pub metrics: Option<MetricsConfig>,
+    /// Replicas of this gateway to exchange new placements with; off when absent.
+    pub peers: Option<PeersConfig>,
     /// Request paths that are routed; others pass untouched.
     pub routes: Vec<String>,
     pub max_body_bytes: u64,
@@ -248,6 +268,15 @@ fn default_metrics_timeout_ms() -> u64 {
 fn default_metrics_stale_ms() -> u64 {
     5_000
 }
+fn default_peers_path() -> String {
+    "/tokenaware/peers".into()
+}
+fn default_peers_interval_ms() -> u64 {
+    500
+}
+fn default_peers_timeout_ms() -> u64 {
+    1_000
+}
 
 pub const DEFAULT_PEAK_PREFILL: f64 = 15_928.0;
 
@@ -272,6 +301,7 @@ impl Default for Config {
             endpoints: Vec::new(),
             discovery: None,
             metrics: None,
+            peers: None,
             routes: vec![
                 "/v1/completions".into(),
                 "/v1/chat/completions".into(),
@@ -462,6 +492,33 @@ impl Config {
         {
             return Err(err("debugPath", "must start with '/'"));
         }
+        if let Some(p) = &self.peers {
+            self.validate_peers(p)?;
+        }
+        Ok(())
+    }
+
+    fn validate_peers(&self, p: &PeersConfig) -> Result<(), ConfigError> {
+        check_range("peers.intervalMs", p.interval_ms as f64, 10.0, 3.6e6)?;
+        check_range("peers.timeoutMs", p.timeout_ms as f64, 1.0, 60_000.0)?;
+        if p.clusters.is_empty() || p.clusters.len() > MAX_PEERS {
+            return Err(err(
+                "peers.clusters",
+                format!("give 1 to {MAX_PEERS} clusters"),
+            ));
+        }
+        if p.clusters.iter().any(|c| c.is_empty()) {
+            return Err(err("peers.clusters", "a cluster name is empty"));
+        }
+        if !p.path.starts_with('/') || p.path.contains('?') {
+            return Err(err("peers.path", "must start with '/' and have no query"));
+        }
+        if self.debug_path.as_deref() == Some(p.path.as_str()) || self.is_routed_path(&p.path) {
+            return Err(err(
+                "peers.path",
+                "must differ from debugPath and the routed paths",
+            ));
+        }
         Ok(())
     }
 
@@ -574,6 +631,24 @@ mod tests {
             (r#","policy":"fastest""#, "policy"),
             (r#","maxTTFTPenaltyMs":-1"#, "maxTTFTPenaltyMs"),
             (r#","coldPlacementChoices":0"#, "coldPlacementChoices"),
+            (r#","peers":{"clusters":[]}"#, "peers.clusters"),
+            (r#","peers":{"clusters":[""]}"#, "peers.clusters"),
+            (
+                r#","peers":{"clusters":["b"],"intervalMs":0}"#,
+                "peers.intervalMs",
+            ),
+            (
+                r#","peers":{"clusters":["b"],"path":"peers"}"#,
+                "peers.path",
+            ),
+            (
+                r#","peers":{"clusters":["b"],"path":"/v1/chat/completions"}"#,
+                "peers.path",
+            ),
+            (
+                r#","debugPath":"/d","peers":{"clusters":["b"],"path":"/d"}"#,
+                "peers.path",
+            ),
         ];
         for (extra, field) in cases {
             let e = Config::from_json(with_endpoints(extra).as_bytes()).unwrap_err();

@@ -11,6 +11,7 @@ pub mod estimator;
 pub mod filter;
 pub mod index;
 pub mod ledger;
+pub mod peers;
 pub mod policy;
 pub mod prefix;
 pub mod prometheus;

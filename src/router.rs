@@ -8,6 +8,7 @@ use crate::endpoints::Endpoint;
 use crate::estimator::{cache_check, CacheCheck, Estimate, Estimator, TtftSample, POOL_PRESSURE};
 use crate::index::{AffinityIndex, InsertReceipt};
 use crate::ledger::{blend, Charge, Load, LoadLedger, WORK_WINDOW_MS};
+use crate::peers::{PlacementBatch, PlacementLog};
 use crate::policy::{self, Ask, Candidate, Decision, Params, Policy, Reason};
 use crate::prefix::{chain_seed, hash_prompt, BlockChain};
 use crate::request::InferenceRequest;
@@ -210,6 +211,8 @@ pub struct Router {
     replicas_seen: bool,
     /// Shared-data key of [`SharedPrefixes`] (built once).
     shared_key: String,
+    /// This process's new placements, for peer replicas to poll (`peers` configured).
+    pub placements: Option<PlacementLog>,
     seq: u64,
 }
 
@@ -229,6 +232,10 @@ impl Router {
             relearned: None,
             replicas_seen: false,
             shared_key: format!("{}/sp", cfg.namespace),
+            placements: cfg
+                .peers
+                .as_ref()
+                .map(|_| PlacementLog::new(&cfg.namespace)),
             policy: policy::build(cfg.policy, params),
             params,
             index,
@@ -285,7 +292,11 @@ impl Router {
         if self.cfg.cold_placement_choices.is_some() {
             return;
         }
-        let choices = if seen { REPLICA_COLD_CHOICES } else { 0 };
+        // Peers tell each other where new prefixes went: no need to narrow the choice.
+        let choices = match seen && self.placements.is_none() {
+            true => REPLICA_COLD_CHOICES,
+            false => 0,
+        };
         if self.params.cold_choices != choices {
             self.params.cold_choices = choices;
             self.policy = policy::build(self.cfg.policy, self.params);
@@ -341,6 +352,55 @@ impl Router {
     ) -> Result<(), StoreError> {
         let blocks = ((reported_blocks as f64 * share) as u64).max(1);
         self.index.set_capacity(s, slot, blocks)
+    }
+
+    /// With `peers`, keeps a new copy of a prefix (a cold placement, a spill, a promotion)
+    /// for the peers' next poll. Returns whether one was kept.
+    pub fn share_placement<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        routed: &Routed,
+        chain: &BlockChain,
+    ) -> Result<bool, StoreError> {
+        let Some(log) = &self.placements else {
+            return Ok(false);
+        };
+        let new_copy = matches!(
+            routed.decision.reason,
+            Reason::Cold | Reason::Spill | Reason::Promote
+        );
+        let (Some(address), true) = (routed.addresses.first(), new_copy) else {
+            return Ok(false);
+        };
+        if chain.full_blocks().is_empty() {
+            return Ok(false);
+        }
+        log.record(s, address, chain.full_blocks())?;
+        Ok(true)
+    }
+
+    /// Inserts what peer replicas placed into this gateway's index, under the endpoint with
+    /// the same address (unknown addresses are skipped): the next request of such a prefix
+    /// finds it warm where it already is. Returns how many placements were learned.
+    pub fn learn_placements<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        eps: &[Endpoint],
+        batch: &PlacementBatch,
+        now_ms: u64,
+    ) -> Result<usize, StoreError> {
+        let mut learned = 0;
+        let max = self.cfg.max_prefix_blocks as usize;
+        for p in &batch.placements {
+            let Some(e) = eps.iter().find(|e| e.address == p.address) else {
+                continue;
+            };
+            let blocks = &p.blocks[..p.blocks.len().min(max)];
+            self.index
+                .insert(s, e.slot, blocks, (now_ms / 1000) as u32)?;
+            learned += 1;
+        }
+        Ok(learned)
     }
 
     /// Forgets a removed (or cold-restarted) endpoint's index entries and load.

@@ -102,6 +102,14 @@ impl HttpFilter {
                 Err(_) => Action::Continue,
             };
         }
+        if vm
+            .cfg
+            .peers
+            .as_ref()
+            .is_some_and(|p| path_is(&path, &p.path))
+        {
+            return answer_peer(h, &vm, &path);
+        }
         if !vm.cfg.is_routed_path(&path) {
             return Action::Continue;
         }
@@ -388,6 +396,11 @@ impl HttpFilter {
             let _ = router.finish(&vm.recent.fresh(h), &mut routed, Outcome::FailedEarly);
             return Err(internal("setting the destination", e));
         }
+        match router.share_placement(s, &routed, &chain) {
+            Ok(true) => vm.stats.inc(h, Counter::PeerPlacementsShared),
+            Ok(false) => {}
+            Err(_) => vm.stats.inc(h, Counter::PeerErrors),
+        }
         Ok(routed)
     }
 
@@ -398,6 +411,29 @@ impl HttpFilter {
             self.note = Some(format!("reason=fallback; why={}", why.as_str()));
         }
         Action::Continue
+    }
+}
+
+/// A peer replica's poll: this process's new placements from its `since` on, as JSON
+/// (block hashes and endpoint addresses, never prompt text). A store error answers 503, and
+/// the peer asks again on its next poll.
+fn answer_peer<H: Host>(h: &H, vm: &Vm, path: &str) -> Action {
+    let since = crate::peers::since_in_path(path);
+    let batch = match vm.router.try_borrow() {
+        Ok(r) => r
+            .placements
+            .as_ref()
+            .map(|l| l.since(&vm.recent.fresh(h), since)),
+        Err(_) => None,
+    };
+    let hdrs = [("content-type", "application/json")];
+    let sent = match batch {
+        Some(Ok(b)) => h.send_response(200, &hdrs, &b.to_json()),
+        _ => h.send_response(503, &hdrs, b"{\"error\":\"placements unavailable\"}"),
+    };
+    match sent {
+        Ok(()) => Action::Pause,
+        Err(_) => Action::Continue,
     }
 }
 

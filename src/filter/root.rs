@@ -40,6 +40,7 @@ use super::vm::Vm;
 use crate::config::{Config, ConfigError};
 use crate::endpoints::{Changes, EndpointTable, ServedWork};
 use crate::estimator::Estimate;
+use crate::peers::PlacementBatch;
 use crate::prometheus::{parse_metrics, ServerMetrics};
 use crate::store::{read_u64, update, write_u64, SharedStore, StoreError};
 
@@ -47,6 +48,9 @@ use crate::store::{read_u64, update, write_u64, SharedStore, StoreError};
 pub const MAX_METRICS_BYTES: usize = 1 << 20;
 /// Largest admin `/clusters?format=json` body read.
 pub const MAX_CLUSTERS_BYTES: usize = 4 << 20;
+/// Largest peer answer read (one answer holds about `peers::MAX_ANSWER_BYTES` of
+/// placements, written as JSON).
+pub const MAX_PEER_BYTES: usize = 4 << 20;
 /// Consecutive failed polls after which an endpoint is taken out of rotation (until a poll
 /// succeeds again).
 pub const UNHEALTHY_AFTER: u32 = 2;
@@ -78,6 +82,8 @@ impl Lease {
 enum Call {
     Discovery,
     Metrics(String),
+    /// A peer replica's placements, by its cluster.
+    Peer(String),
 }
 
 pub struct Root {
@@ -98,6 +104,9 @@ pub struct Root {
     gauges: HashMap<String, u32>,
     /// This configuration's generation (see the module docs).
     generation: u64,
+    next_peers_ms: u64,
+    /// Per peer cluster, the sequence number its next poll asks from (see `peers`).
+    peer_since: HashMap<String, u64>,
 }
 
 impl Root {
@@ -140,6 +149,8 @@ impl Root {
             envoy_down: HashSet::new(),
             served: HashMap::new(),
             gauges: HashMap::new(),
+            next_peers_ms: 0,
+            peer_since: HashMap::new(),
         };
         if newest && root.vm.cfg.discovery.is_none() {
             root.adopt_static_list(h);
@@ -200,6 +211,9 @@ impl Root {
         if let Some(d) = &c.discovery {
             p = p.min(d.interval_ms);
         }
+        if let Some(x) = &c.peers {
+            p = p.min(x.interval_ms);
+        }
         p.max(10)
     }
 
@@ -221,6 +235,7 @@ impl Root {
         self.expire_calls(now);
         self.discover(h, now);
         self.poll_metrics(h, now);
+        self.poll_peers(h, now);
         self.sync_learned_capacities(h);
         self.record_gauges(h, now);
     }
@@ -296,6 +311,62 @@ impl Root {
         }
     }
 
+    /// Asks each peer replica for the placements it made since the last answer; at most one
+    /// poll in flight per peer.
+    fn poll_peers<H: Host>(&mut self, h: &H, now: u64) {
+        let Some(p) = self.vm.cfg.peers.clone() else {
+            return;
+        };
+        if now < self.next_peers_ms {
+            return;
+        }
+        self.next_peers_ms = now + p.interval_ms;
+        for cluster in &p.clusters {
+            let busy = self
+                .calls
+                .values()
+                .any(|(c, _)| matches!(c, Call::Peer(x) if x == cluster));
+            if busy {
+                continue;
+            }
+            let since = self.peer_since.get(cluster).copied().unwrap_or(0);
+            let path = format!("{}?since={since}", p.path);
+            let hdrs = [
+                (":method", "GET"),
+                (":path", path.as_str()),
+                (":authority", "tokenaware-peer"),
+            ];
+            match h.dispatch(cluster, &hdrs, p.timeout_ms) {
+                Ok(token) => {
+                    self.calls.insert(token, (Call::Peer(cluster.clone()), now));
+                }
+                Err(_) => self.vm.stats.inc(h, Counter::PeerPollsFailed),
+            }
+        }
+    }
+
+    /// A peer's answer: its placements go into this gateway's index, and the next poll
+    /// asks from where this one ended.
+    fn peer_answered<H: Host>(&mut self, h: &H, cluster: String, body: Option<Vec<u8>>) {
+        let Some(batch) = body.as_deref().and_then(PlacementBatch::from_json) else {
+            return self.vm.stats.inc(h, Counter::PeerPollsFailed);
+        };
+        self.vm.stats.inc(h, Counter::PeerPollsOk);
+        let now = h.now_ms().unwrap_or(0);
+        let learned = match self.vm.router.try_borrow() {
+            Ok(r) => r.learn_placements(h, &self.vm.table(h).endpoints, &batch, now),
+            Err(_) => return,
+        };
+        match learned {
+            Ok(n) => self
+                .vm
+                .stats
+                .add(h, Counter::PeerPlacementsLearned, n as u64),
+            Err(_) => return self.vm.stats.inc(h, Counter::PeerErrors),
+        }
+        self.peer_since.insert(cluster, batch.next);
+    }
+
     /// The answer to a call this root made; `num_headers == 0` means it failed (timeout,
     /// reset, connect failure).
     pub fn on_call_response<H: Host>(
@@ -325,6 +396,13 @@ impl Root {
                     }
                     Err(_) => self.poll_failed(h, &address),
                 }
+            }
+            Call::Peer(cluster) => {
+                let body = match ok {
+                    true => h.call_response_body(body.min(MAX_PEER_BYTES)).ok(),
+                    false => None,
+                };
+                self.peer_answered(h, cluster, body);
             }
             Call::Discovery => {
                 let found = if ok {

@@ -122,10 +122,20 @@ pub enum Counter {
     /// The model servers began to count requests another sender put there (another gateway
     /// replica): cold placement narrows to two endpoints, unless configured.
     OtherSendersSeen,
+    /// Polls of a peer replica answered with a placement list (`peers`).
+    PeerPollsOk,
+    /// Polls of a peer replica that failed (no answer, not 200, not a placement list).
+    PeerPollsFailed,
+    /// New placements kept for the peers' polls.
+    PeerPlacementsShared,
+    /// Peers' placements inserted into this gateway's index.
+    PeerPlacementsLearned,
+    /// A placement could not be kept for the peers, or a peer's could not be inserted.
+    PeerErrors,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 19] = [
+    pub const ALL: [Counter; 24] = [
         Counter::Routed,
         Counter::Released,
         Counter::FailedEarly,
@@ -145,6 +155,11 @@ impl Counter {
         Counter::EndpointResets,
         Counter::EstimateErrors,
         Counter::OtherSendersSeen,
+        Counter::PeerPollsOk,
+        Counter::PeerPollsFailed,
+        Counter::PeerPlacementsShared,
+        Counter::PeerPlacementsLearned,
+        Counter::PeerErrors,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -168,6 +183,11 @@ impl Counter {
             Counter::EndpointResets => "tokenaware_endpoint_resets",
             Counter::EstimateErrors => "tokenaware_estimate_errors",
             Counter::OtherSendersSeen => "tokenaware_other_senders_seen",
+            Counter::PeerPollsOk => "tokenaware_peer_polls_ok",
+            Counter::PeerPollsFailed => "tokenaware_peer_polls_failed",
+            Counter::PeerPlacementsShared => "tokenaware_peer_placements_shared",
+            Counter::PeerPlacementsLearned => "tokenaware_peer_placements_learned",
+            Counter::PeerErrors => "tokenaware_peer_errors",
         }
     }
 

@@ -1344,3 +1344,117 @@ fn the_poller_keeps_each_servers_own_prefill_rate() {
     let debug: serde_json::Value = serde_json::from_slice(&vm.debug_json(&h)).unwrap();
     assert_eq!(debug["endpoints"][0]["serverPrefillTokensPerS"], 2_000);
 }
+
+const PEERS: &str = r#","peers":{"clusters":["gateway_b"],"intervalMs":100}"#;
+
+/// The peer path of `vm`'s process, asked from `since`: (status, body).
+fn ask_peer(h: &FakeHost, vm: &Rc<Vm>, since: u64) -> (u32, Vec<u8>) {
+    h.sent.borrow_mut().clear();
+    h.new_request(&format!("/tokenaware/peers?since={since}"), b"");
+    let mut f = HttpFilter::new(Some(vm.clone()));
+    assert_eq!(f.on_request_headers(h, true), Action::Pause);
+    let sent = h.sent.borrow_mut().pop().unwrap();
+    h.sent.borrow_mut().clear();
+    sent
+}
+
+#[test]
+fn a_replica_learns_where_its_peer_placed_a_prefix() {
+    // Two Envoy processes: their own shared data, one fleet.
+    let (ha, hb) = (FakeHost::new(), FakeHost::new());
+    let a = vm(&ha, PEERS);
+    let mut rb = root(&hb, PEERS, 2);
+    let b = rb.vm();
+    let sys = "You are the assistant of one tenant. ".repeat(100);
+    let (mut f, _) = send(&ha, &a, CHAT, &chat(&sys, "first question"));
+    let placed = ha.header_values(DESTINATION)[0]
+        .split(',')
+        .next()
+        .unwrap()
+        .to_string();
+    respond(&ha, &mut f, b"{}");
+    assert_eq!(ha.metric("tokenaware_peer_placements_shared"), 1);
+    // B's poller asks A from the start.
+    rb.on_tick(&hb);
+    let calls = hb.take_dispatched();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].cluster, "gateway_b");
+    let path = &calls[0]
+        .headers
+        .iter()
+        .find(|(k, _)| k == ":path")
+        .unwrap()
+        .1;
+    assert_eq!(path, "/tokenaware/peers?since=0");
+    let (status, body) = ask_peer(&ha, &a, 0);
+    assert_eq!(status, 200);
+    assert!(!String::from_utf8_lossy(&body).contains("tenant"));
+    hb.set_call_answer(Some(200), &body);
+    rb.on_call_response(&hb, calls[0].token, 3, body.len());
+    assert_eq!(hb.metric("tokenaware_peer_placements_learned"), 1);
+    // B's first request of the prefix finds it warm where A put it.
+    let (mut g, _) = send(&hb, &b, CHAT, &chat(&sys, "another question"));
+    let dest = hb.header_values(DESTINATION)[0].clone();
+    assert_eq!(dest.split(',').next().unwrap(), placed);
+    assert_eq!(hb.metric("tokenaware_decisions_sticky"), 1);
+    assert_eq!(hb.metric("tokenaware_decisions_cold"), 0);
+    respond(&hb, &mut g, b"{}");
+    // A warm pick is no new copy: nothing for A to learn back.
+    assert_eq!(hb.metric("tokenaware_peer_placements_shared"), 0);
+    // The next poll asks from where the answer ended.
+    hb.now.set(hb.now.get() + 200);
+    rb.on_tick(&hb);
+    let calls = hb.take_dispatched();
+    let path = &calls[0]
+        .headers
+        .iter()
+        .find(|(k, _)| k == ":path")
+        .unwrap()
+        .1;
+    assert_eq!(path, "/tokenaware/peers?since=1");
+}
+
+#[test]
+fn a_peer_answer_that_is_not_one_teaches_nothing() {
+    let h = FakeHost::new();
+    let mut r = root(&h, PEERS, 2);
+    for (status, body) in [
+        (Some(200), &b"<html>"[..]),
+        (Some(500), &br#"{"next":1,"placements":[]}"#[..]),
+        (None, &b""[..]),
+    ] {
+        h.now.set(h.now.get() + 200);
+        r.on_tick(&h);
+        let calls = h.take_dispatched();
+        assert_eq!(calls.len(), 1);
+        h.set_call_answer(status, body);
+        r.on_call_response(
+            &h,
+            calls[0].token,
+            usize::from(status.is_some()) * 3,
+            body.len(),
+        );
+    }
+    assert_eq!(h.metric("tokenaware_peer_polls_failed"), 3);
+    assert_eq!(h.metric("tokenaware_peer_polls_ok"), 0);
+    // A placement on an endpoint this gateway does not know is skipped.
+    let unknown =
+        br#"{"next":4,"placements":[{"endpoint":"10.9.9.9:1","blocks":"00000000000000ff"}]}"#;
+    h.now.set(h.now.get() + 200);
+    r.on_tick(&h);
+    let calls = h.take_dispatched();
+    h.set_call_answer(Some(200), unknown);
+    r.on_call_response(&h, calls[0].token, 3, unknown.len());
+    assert_eq!(h.metric("tokenaware_peer_polls_ok"), 1);
+    assert_eq!(h.metric("tokenaware_peer_placements_learned"), 0);
+}
+
+#[test]
+fn the_peer_path_is_off_unless_configured() {
+    let h = FakeHost::new();
+    let vm = vm(&h, "");
+    h.new_request("/tokenaware/peers?since=0", b"");
+    let mut f = HttpFilter::new(Some(vm));
+    assert_eq!(f.on_request_headers(&h, true), Action::Continue);
+    assert!(h.sent.borrow().is_empty());
+}

@@ -131,6 +131,9 @@ pub struct GatewayConfig {
     /// headers before the wasm filter (render.sh keeps it; off here by default so tests see
     /// the filter's own stripping).
     pub strip_client_destination: bool,
+    /// Extra STATIC clusters of one host each, (name, `ip:port`): the filter's `peers`
+    /// (other gateway replicas).
+    pub peer_clusters: Vec<(String, String)>,
 }
 
 impl GatewayConfig {
@@ -149,6 +152,7 @@ impl GatewayConfig {
             dynamic_listener: false,
             dynamic_endpoints: false,
             strip_client_destination: false,
+            peer_clusters: Vec::new(),
         }
     }
 
@@ -225,6 +229,13 @@ impl GatewayConfig {
             }
             None => out,
         };
+        let mut out = out;
+        for (name, address) in &self.peer_clusters {
+            out.push_str(&format!(
+                "  - name: {name}\n    type: STATIC\n    connect_timeout: 1s\n    load_assignment:\n      cluster_name: {name}\n      endpoints:\n      - lb_endpoints:\n{}",
+                lb_endpoints(std::slice::from_ref(address), 8)?
+            ));
+        }
         Ok(out
             .replace("${LISTEN_PORT}", &self.listen_port.to_string())
             .replace("${ADMIN_PORT}", &self.admin_port.to_string())

@@ -747,3 +747,84 @@ async fn invalid_plugin_config_is_refused_and_the_log_names_the_field() {
     assert!(e.contains("exited early"), "{e}");
     assert!(e.contains("field `affinityThreshold`"), "{e}");
 }
+
+/// Two replicas named to each other as `peers`: a prefix placed through one is warm on the
+/// other before it first sends it, on the same endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replicas_named_as_peers_send_a_prefix_where_the_other_placed_it() {
+    if !have_envoy() {
+        return;
+    }
+    let fleet = Fleet::start_on_free_ports(fleet(4, 0.01)).unwrap();
+    let eps = fleet.endpoints();
+    let ports = wasm_tests::ports::free_ports(2).unwrap();
+    let mut envoys = Vec::new();
+    for (me, other) in [(ports[0], ports[1]), (ports[1], ports[0])] {
+        let peers = r#""peers":{"clusters":["peer"],"intervalMs":100}"#;
+        let mut cfg =
+            GatewayConfig::new(eps.clone()).with_wasm(wasm_path(), plugin_config(&eps, peers));
+        cfg.listen_port = me;
+        cfg.peer_clusters = vec![("peer".into(), format!("127.0.0.1:{other}"))];
+        envoys.push(
+            tokio::task::spawn_blocking(move || Envoy::start(cfg))
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    let http = reqwest::Client::builder()
+        .timeout(CLIENT_TIMEOUT)
+        .build()
+        .unwrap();
+    let post = |e: &Envoy, body: String| {
+        let req = http
+            .post(e.url(CHAT))
+            .header("content-type", "application/json")
+            .body(body);
+        async move { answer(req.send().await.unwrap()).await }
+    };
+    let learned = |e: &Envoy| {
+        e.stat("wasmcustom.tokenaware_peer_placements_learned")
+            .unwrap()
+            .unwrap_or(0)
+    };
+    let (a, b) = (&envoys[0], &envoys[1]);
+    for g in 0..4 {
+        let first = post(a, chat(&system(g, 40_000), "q0")).await;
+        assert_eq!(first.status, 200);
+        assert!(first.decision.contains("reason=cold"), "{}", first.decision);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while learned(b) < g as i64 + 1 {
+            assert!(Instant::now() < deadline, "B never learned group {g}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let second = post(b, chat(&system(g, 40_000), "q1")).await;
+        assert_eq!(second.status, 200);
+        assert!(
+            second.decision.contains("reason=sticky"),
+            "{}",
+            second.decision
+        );
+        assert_eq!(second.endpoint, first.endpoint, "group {g}");
+    }
+    // What a peer reads: addresses and hashes, never prompt text.
+    let text = http
+        .get(a.url("/tokenaware/peers?since=0"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["next"], 4);
+    assert!(!text.contains("meticulous"));
+    assert_eq!(
+        b.stat("wasmcustom.tokenaware_peer_polls_failed")
+            .unwrap()
+            .unwrap_or(0),
+        0
+    );
+    drop(envoys);
+    drop(fleet);
+}

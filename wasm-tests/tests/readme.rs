@@ -63,6 +63,7 @@ fn every_config_field_is_in_the_reference_table() {
     for (parent, json) in [
         ("discovery", format!(r#"{{"discovery":{{{probe}}}}}"#)),
         ("metrics", format!(r#"{{"metrics":{{{probe}}}}}"#)),
+        ("peers", format!(r#"{{"peers":{{{probe}}}}}"#)),
         ("endpoints[]", format!(r#"{{"endpoints":[{{{probe}}}]}}"#)),
     ] {
         let nested = expected_names(&json);

@@ -178,12 +178,15 @@ async fn the_debug_path_and_decision_header_are_off_unless_configured() {
         json!({ "endpoints": list, "statsFlushMs": 0 }).to_string()
     })
     .await;
-    let r = gw.http.get(gw.envoy.url(DEBUG)).send().await.unwrap();
-    assert_eq!(r.status(), 404);
-    assert!(
-        r.headers().contains_key("x-fleet-endpoint"),
-        "not passed upstream"
-    );
+    // The peers' path too, without `peers`.
+    for path in [DEBUG, "/tokenaware/peers?since=0"] {
+        let r = gw.http.get(gw.envoy.url(path)).send().await.unwrap();
+        assert_eq!(r.status(), 404, "{path}");
+        assert!(
+            r.headers().contains_key("x-fleet-endpoint"),
+            "{path} not passed upstream"
+        );
+    }
     let a = gw
         .post(CHAT, chat(&format!("{marker} {}", system(1, 8_000)), "q"))
         .await;

@@ -108,6 +108,12 @@ struct Args {
     /// affinity by tenant would).
     #[arg(long, value_enum, default_value_t = Deal::Alternate)]
     deal: Deal,
+    /// With several gateways, each tokenaware gateway polls the others' new placements
+    /// (the filter's `peers`, one cluster per other gateway, every `--peers-interval-ms`).
+    #[arg(long)]
+    peers: bool,
+    #[arg(long, default_value_t = 250)]
+    peers_interval_ms: u64,
     /// Output directory.
     #[arg(long, default_value = "target/bench")]
     out_dir: PathBuf,
@@ -178,6 +184,8 @@ struct Profile {
     groups: usize,
     /// How arrivals are dealt over several gateways (`--deal`).
     deal: Deal,
+    /// `--peers`: the gateways' poll interval of each other's placements, ms.
+    peers_interval_ms: Option<u64>,
 }
 
 fn profile(kind: WorkloadKind, quick: bool) -> Profile {
@@ -234,6 +242,7 @@ fn profile(kind: WorkloadKind, quick: bool) -> Profile {
         kv_report_factor: 1.0,
         groups: SEED_GROUPS,
         deal: Deal::Alternate,
+        peers_interval_ms: None,
     }
 }
 
@@ -450,6 +459,9 @@ fn report_decisions(gw: &Gateway, target: &str) {
         "other_senders_seen",
         "foreign_requests_pct",
         "cold_found_cached_pct",
+        "peer_placements_shared",
+        "peer_placements_learned",
+        "peer_polls_failed",
     ];
     let seen: Vec<String> = names
         .iter()
@@ -462,7 +474,7 @@ fn report_decisions(gw: &Gateway, target: &str) {
 
 /// A running target, stopped on drop.
 enum Gateway {
-    Envoy(Envoy),
+    Envoy(Box<Envoy>),
     Smg(SmgProcess),
 }
 
@@ -556,9 +568,58 @@ fn start_smg(eps: &[String]) -> anyhow::Result<SmgProcess> {
     anyhow::bail!("smg not healthy after 30 s")
 }
 
-fn start_target(name: &str, eps: &[String], p: &Profile) -> anyhow::Result<Gateway> {
+/// One gateway's place among peers: its own listener port and the other gateways'.
+struct PeerMesh {
+    listen_port: u16,
+    others: Vec<u16>,
+}
+
+impl PeerMesh {
+    fn of(ports: &[u16], i: usize) -> Option<PeerMesh> {
+        Some(PeerMesh {
+            listen_port: *ports.get(i)?,
+            others: ports
+                .iter()
+                .enumerate()
+                .filter(|&(j, _)| j != i)
+                .map(|(_, &p)| p)
+                .collect(),
+        })
+    }
+
+    fn clusters(&self) -> Vec<(String, String)> {
+        self.others
+            .iter()
+            .map(|p| (format!("peer_{p}"), format!("127.0.0.1:{p}")))
+            .collect()
+    }
+}
+
+/// The filter's `peers` section for `mesh`, merged into a plugin configuration.
+fn with_peers(cfg: String, mesh: &PeerMesh, interval_ms: u64) -> String {
+    let Ok(mut v) = serde_json::from_str::<serde_json::Value>(&cfg) else {
+        return cfg;
+    };
+    let clusters: Vec<String> = mesh.clusters().into_iter().map(|(n, _)| n).collect();
+    v["peers"] = json!({"clusters": clusters, "intervalMs": interval_ms});
+    v.to_string()
+}
+
+fn start_target(
+    name: &str,
+    eps: &[String],
+    p: &Profile,
+    mesh: Option<&PeerMesh>,
+) -> anyhow::Result<Gateway> {
     let wasm = repo_root().join("target/wasm32-wasip1/release/tokenaware.wasm");
-    let envoy = |cfg: GatewayConfig| Envoy::start(cfg).map(Gateway::Envoy);
+    let envoy = |mut cfg: GatewayConfig| {
+        if let (Some(m), Some(w), Some(ms)) = (mesh, cfg.wasm.as_mut(), p.peers_interval_ms) {
+            cfg.listen_port = m.listen_port;
+            cfg.peer_clusters = m.clusters();
+            w.configuration = with_peers(std::mem::take(&mut w.configuration), m, ms);
+        }
+        Envoy::start(cfg).map(|e| Gateway::Envoy(Box::new(e)))
+    };
     let gw = GatewayConfig::new(eps.to_vec());
     match name {
         "envoy-round-robin" => envoy(gw),
@@ -706,9 +767,19 @@ async fn run_one(
     let fleet = Fleet::start_on_free_ports(fleet_config(kind, p))?;
     let eps = fleet.endpoints();
     let mut gws = Vec::new();
-    for _ in 0..gateways.max(1) {
+    let n = gateways.max(1);
+    // With peers, each gateway's listener port is known before any starts.
+    let ports = match (p.peers_interval_ms, n > 1) {
+        (Some(_), true) => wasm_tests::ports::free_ports(n)?,
+        _ => Vec::new(),
+    };
+    for i in 0..n {
         let (eps, p, t) = (eps.clone(), p.clone(), target.to_string());
-        gws.push(tokio::task::spawn_blocking(move || start_target(&t, &eps, &p)).await??);
+        let mesh = PeerMesh::of(&ports, i);
+        gws.push(
+            tokio::task::spawn_blocking(move || start_target(&t, &eps, &p, mesh.as_ref()))
+                .await??,
+        );
     }
     let targets: Vec<Target> = gws
         .iter()
@@ -817,6 +888,7 @@ async fn main() -> anyhow::Result<()> {
         p.slow_endpoints = a.slow_endpoints;
         p.kv_report_factor = a.kv_report_factor;
         p.deal = a.deal;
+        p.peers_interval_ms = a.peers.then_some(a.peers_interval_ms);
         if let Some(g) = a.groups {
             anyhow::ensure!(g > 0, "--groups: at least one group");
             p.groups = g;

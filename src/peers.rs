@@ -1,0 +1,347 @@
+//! Placements exchanged between gateway replicas.
+//!
+//! Replicas dealt requests round robin each see every prefix, and each places a prefix new
+//! to it by its own view of load. A second replica usually meets a prefix seconds or tens
+//! of seconds after the first placed it, when two views of load agree no better than a
+//! coin: the prefix ends up held twice, each copy at half its traffic. The model servers'
+//! metrics cannot say where a prefix went; the replica that placed it can.
+//!
+//! So each process keeps its recent new placements (an endpoint that matched none of the
+//! prompt) in a ring in shared data, `PlacementLog`, and answers a peer's poll with those
+//! after the sequence number the peer asks from. The poller of each replica inserts what
+//! its peers placed into its own index, under the endpoint with the same address: the next
+//! request of that prefix finds it warm where it already is. What is sent are block hashes
+//! (seeded by model and salt) and endpoint addresses, never prompt text.
+
+use serde::{Deserialize, Serialize};
+
+use crate::store::{read_u64, update, write_u64, SharedStore, StoreError};
+
+/// Placements the ring holds; a peer polling less often than this many new placements
+/// misses the oldest.
+pub const LOG_ENTRIES: u64 = 256;
+/// Blocks of one placement kept, at most (the prompt's first ones).
+pub const MAX_SHARED_BLOCKS: usize = 1_024;
+/// Bytes of placements one answer carries, about; the rest follow in the next poll.
+pub const MAX_ANSWER_BYTES: usize = 1 << 20;
+/// Longest endpoint address kept.
+const MAX_ADDRESS: usize = 255;
+
+/// One new placement: the endpoint's address and the prompt's block hashes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    pub seq: u64,
+    pub address: String,
+    pub blocks: Vec<u64>,
+}
+
+/// What a peer's poll answers: placements from its `since`, and where the next poll starts.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PlacementBatch {
+    pub next: u64,
+    pub placements: Vec<Placement>,
+}
+
+/// The ring of this process's recent new placements: `{ns}/pl/n` (the next sequence
+/// number) and `{ns}/pl/{seq % LOG_ENTRIES}`.
+#[derive(Debug, Clone)]
+pub struct PlacementLog {
+    prefix: String,
+    count_key: String,
+}
+
+impl PlacementLog {
+    pub fn new(namespace: &str) -> PlacementLog {
+        PlacementLog {
+            prefix: format!("{namespace}/pl/"),
+            count_key: format!("{namespace}/pl/n"),
+        }
+    }
+
+    fn entry_key(&self, seq: u64) -> String {
+        format!("{}{}", self.prefix, seq % LOG_ENTRIES)
+    }
+
+    /// Adds a placement; returns its sequence number.
+    pub fn record<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        address: &str,
+        blocks: &[u64],
+    ) -> Result<u64, StoreError> {
+        let seq = update(s, &self.count_key, |old| {
+            let n = read_u64(old, 0);
+            let mut b = vec![0u8; 8];
+            write_u64(&mut b, 0, n.wrapping_add(1));
+            Some((b, n))
+        })?
+        .unwrap_or(0);
+        let blocks = &blocks[..blocks.len().min(MAX_SHARED_BLOCKS)];
+        s.set(&self.entry_key(seq), &encode(seq, address, blocks), None)?;
+        Ok(seq)
+    }
+
+    /// The next sequence number (placements recorded so far).
+    pub fn next<S: SharedStore + ?Sized>(&self, s: &S) -> Result<u64, StoreError> {
+        let (v, _) = s.get(&self.count_key)?;
+        Ok(v.map_or(0, |v| read_u64(&v, 0)))
+    }
+
+    /// Placements from `since` on, up to about `MAX_ANSWER_BYTES`. A `since` past the end
+    /// (this process restarted, its numbers began again) answers from the oldest held.
+    pub fn since<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        since: u64,
+    ) -> Result<PlacementBatch, StoreError> {
+        let end = self.next(s)?;
+        let oldest = end.saturating_sub(LOG_ENTRIES);
+        let mut seq = if since > end {
+            oldest
+        } else {
+            since.max(oldest)
+        };
+        let (mut out, mut bytes) = (Vec::new(), 0);
+        while seq < end && bytes < MAX_ANSWER_BYTES {
+            let (v, _) = s.get(&self.entry_key(seq))?;
+            match v.as_deref().map(decode) {
+                Some(Some(p)) if p.seq == seq => {
+                    bytes += 32 + p.address.len() + 17 * p.blocks.len();
+                    out.push(p);
+                }
+                // Numbered but not written yet (the slot is empty or holds the lap before):
+                // the next poll asks again from here.
+                None => break,
+                Some(Some(p)) if p.seq < seq => break,
+                // Written over by a later lap, or unreadable: this one is gone.
+                Some(_) => {}
+            }
+            seq += 1;
+        }
+        Ok(PlacementBatch {
+            next: seq,
+            placements: out,
+        })
+    }
+}
+
+/// seq (8) | address length (1) | address | blocks (8 each), little-endian.
+fn encode(seq: u64, address: &str, blocks: &[u64]) -> Vec<u8> {
+    let address = &address.as_bytes()[..address.len().min(MAX_ADDRESS)];
+    let mut b = Vec::with_capacity(9 + address.len() + 8 * blocks.len());
+    b.extend_from_slice(&seq.to_le_bytes());
+    b.push(address.len() as u8);
+    b.extend_from_slice(address);
+    for h in blocks {
+        b.extend_from_slice(&h.to_le_bytes());
+    }
+    b
+}
+
+fn decode(b: &[u8]) -> Option<Placement> {
+    let seq = u64::from_le_bytes(b.get(..8)?.try_into().ok()?);
+    let n = usize::from(*b.get(8)?);
+    let address = std::str::from_utf8(b.get(9..9 + n)?).ok()?.to_string();
+    let rest = b.get(9 + n..)?;
+    if !rest.len().is_multiple_of(8) {
+        return None;
+    }
+    let blocks = rest
+        .chunks_exact(8)
+        .map(|c| c.try_into().map(u64::from_le_bytes).unwrap_or(0))
+        .collect();
+    Some(Placement {
+        seq,
+        address,
+        blocks,
+    })
+}
+
+#[derive(Serialize, Deserialize)]
+struct WirePlacement {
+    endpoint: String,
+    /// Block hashes, 16 hex digits each.
+    blocks: String,
+}
+
+#[derive(Serialize, Deserialize)]
+struct WireBatch {
+    next: u64,
+    placements: Vec<WirePlacement>,
+}
+
+impl PlacementBatch {
+    /// The answer to a peer's poll, as JSON.
+    pub fn to_json(&self) -> Vec<u8> {
+        let wire = WireBatch {
+            next: self.next,
+            placements: self
+                .placements
+                .iter()
+                .map(|p| WirePlacement {
+                    endpoint: p.address.clone(),
+                    blocks: p.blocks.iter().map(|h| format!("{h:016x}")).collect(),
+                })
+                .collect(),
+        };
+        serde_json::to_vec(&wire).unwrap_or_default()
+    }
+
+    /// A peer's answer; `None` when it is not one. Placements whose hashes do not parse are
+    /// dropped, and each keeps at most `MAX_SHARED_BLOCKS` blocks.
+    pub fn from_json(body: &[u8]) -> Option<PlacementBatch> {
+        let wire: WireBatch = serde_json::from_slice(body).ok()?;
+        let placements = wire
+            .placements
+            .into_iter()
+            .filter_map(|p| {
+                let blocks = parse_hex_blocks(&p.blocks)?;
+                (p.endpoint.len() <= MAX_ADDRESS).then_some(Placement {
+                    seq: 0,
+                    address: p.endpoint,
+                    blocks,
+                })
+            })
+            .collect();
+        Some(PlacementBatch {
+            next: wire.next,
+            placements,
+        })
+    }
+}
+
+fn parse_hex_blocks(s: &str) -> Option<Vec<u64>> {
+    if !s.len().is_multiple_of(16) || !s.is_ascii() {
+        return None;
+    }
+    s.as_bytes()
+        .chunks_exact(16)
+        .take(MAX_SHARED_BLOCKS)
+        .map(|c| u64::from_str_radix(std::str::from_utf8(c).ok()?, 16).ok())
+        .collect()
+}
+
+/// `since=N` from a request path's query (0 when absent or not a number).
+pub fn since_in_path(path: &str) -> u64 {
+    let Some((_, query)) = path.split_once('?') else {
+        return 0;
+    };
+    query
+        .split('&')
+        .find_map(|kv| kv.strip_prefix("since="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemStore;
+
+    fn log_with(n: u64) -> (PlacementLog, MemStore) {
+        let (log, s) = (PlacementLog::new("t"), MemStore::new());
+        for i in 0..n {
+            log.record(&s, "10.0.0.1:8000", &[i, i + 1, i + 2]).unwrap();
+        }
+        (log, s)
+    }
+
+    #[test]
+    fn a_peer_reads_what_was_placed_after_its_last_poll() {
+        let (log, s) = log_with(5);
+        let b = log.since(&s, 3).unwrap();
+        assert_eq!(b.next, 5);
+        let seqs: Vec<u64> = b.placements.iter().map(|p| p.seq).collect();
+        assert_eq!(seqs, [3, 4]);
+        assert_eq!(b.placements[0].blocks, [3, 4, 5]);
+        assert_eq!(b.placements[0].address, "10.0.0.1:8000");
+        assert!(log.since(&s, 5).unwrap().placements.is_empty());
+    }
+
+    #[test]
+    fn the_ring_keeps_the_newest_and_a_restart_answers_from_the_oldest() {
+        let (log, s) = log_with(LOG_ENTRIES + 10);
+        let b = log.since(&s, 0).unwrap();
+        assert_eq!(b.placements.len() as u64, LOG_ENTRIES);
+        assert_eq!(b.placements[0].seq, 10);
+        assert_eq!(b.next, LOG_ENTRIES + 10);
+        // A poller that asks past the end (this process restarted) gets the ring again.
+        let again = log.since(&s, 10_000).unwrap();
+        assert_eq!(again.placements.len() as u64, LOG_ENTRIES);
+        assert_eq!(s.len() as u64, LOG_ENTRIES + 1, "bounded key set");
+    }
+
+    #[test]
+    fn a_numbered_placement_not_yet_written_is_asked_for_again() {
+        let (log, s) = log_with(2);
+        // A VM took number 2 and has not written it yet.
+        update(&s, "t/pl/n", |_| {
+            let mut b = vec![0u8; 8];
+            write_u64(&mut b, 0, 3);
+            Some((b, ()))
+        })
+        .unwrap();
+        let b = log.since(&s, 0).unwrap();
+        assert_eq!(b.placements.len(), 2);
+        assert_eq!(b.next, 2, "the next poll starts at the missing one");
+    }
+
+    #[test]
+    fn an_unreadable_entry_is_skipped_not_waited_for() {
+        let (log, s) = log_with(3);
+        s.set("t/pl/1", b"garbage", None).unwrap();
+        let b = log.since(&s, 0).unwrap();
+        let seqs: Vec<u64> = b.placements.iter().map(|p| p.seq).collect();
+        assert_eq!(seqs, [0, 2]);
+        assert_eq!(b.next, 3);
+    }
+
+    #[test]
+    fn answers_round_trip_as_json_and_garbage_is_refused() {
+        let (log, s) = log_with(3);
+        let b = log.since(&s, 0).unwrap();
+        let back = PlacementBatch::from_json(&b.to_json()).unwrap();
+        assert_eq!(back.next, 3);
+        assert_eq!(back.placements.len(), 3);
+        assert_eq!(back.placements[2].blocks, [2, 3, 4]);
+        assert_eq!(back.placements[2].address, "10.0.0.1:8000");
+        assert!(PlacementBatch::from_json(b"not json").is_none());
+        assert!(PlacementBatch::from_json(b"{\"next\":1}").is_none());
+        let odd = br#"{"next":1,"placements":[{"endpoint":"a:1","blocks":"abc"},
+            {"endpoint":"a:1","blocks":"zzzzzzzzzzzzzzzz"},
+            {"endpoint":"a:1","blocks":"00000000000000ff"}]}"#;
+        let b = PlacementBatch::from_json(odd).unwrap();
+        assert_eq!(
+            b.placements.len(),
+            1,
+            "only the well-formed placement stays"
+        );
+        assert_eq!(b.placements[0].blocks, [255]);
+    }
+
+    #[test]
+    fn long_prompts_keep_their_first_blocks_and_answers_are_bounded() {
+        let (log, s) = (PlacementLog::new("t"), MemStore::new());
+        let long: Vec<u64> = (0..5_000).collect();
+        for _ in 0..200 {
+            log.record(&s, "10.0.0.1:8000", &long).unwrap();
+        }
+        let b = log.since(&s, 0).unwrap();
+        assert_eq!(b.placements[0].blocks.len(), MAX_SHARED_BLOCKS);
+        assert!(
+            b.placements.len() < 200,
+            "one answer stops near its byte bound"
+        );
+        assert!(b.to_json().len() < 2 * MAX_ANSWER_BYTES);
+        let rest = log.since(&s, b.next).unwrap();
+        assert_eq!(rest.placements[0].seq, b.next);
+    }
+
+    #[test]
+    fn since_is_read_from_the_query() {
+        assert_eq!(since_in_path("/tokenaware/peers?since=42"), 42);
+        assert_eq!(since_in_path("/tokenaware/peers?x=1&since=7"), 7);
+        assert_eq!(since_in_path("/tokenaware/peers"), 0);
+        assert_eq!(since_in_path("/tokenaware/peers?since=-1"), 0);
+    }
+}
