@@ -18,7 +18,7 @@ command -v cargo-fuzz >/dev/null || { echo "cargo-fuzz missing: run scripts/setu
 cargo +nightly fuzz build
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-for t in request prefix prometheus; do
+for t in request prefix prometheus peers; do
   dict=()
   [[ -f "fuzz/$t.dict" ]] && dict=("-dict=fuzz/$t.dict")
   mkdir -p "$tmp/$t"

@@ -828,3 +828,60 @@ async fn replicas_named_as_peers_send_a_prefix_where_the_other_placed_it() {
     drop(envoys);
     drop(fleet);
 }
+
+/// A peer that is down costs nothing but counted failed polls: requests route as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_peer_that_is_down_only_counts_failed_polls() {
+    if !have_envoy() {
+        return;
+    }
+    let dead = wasm_tests::ports::free_ports(1).unwrap()[0];
+    let fleet = Fleet::start_on_free_ports(fleet(3, 0.01)).unwrap();
+    let eps = fleet.endpoints();
+    let peers = r#""peers":{"clusters":["peer"],"intervalMs":50,"timeoutMs":200}"#;
+    let mut cfg =
+        GatewayConfig::new(eps.clone()).with_wasm(wasm_path(), plugin_config(&eps, peers));
+    cfg.peer_clusters = vec![("peer".into(), format!("127.0.0.1:{dead}"))];
+    let envoy = tokio::task::spawn_blocking(move || Envoy::start(cfg))
+        .await
+        .unwrap()
+        .unwrap();
+    let http = reqwest::Client::builder()
+        .timeout(CLIENT_TIMEOUT)
+        .build()
+        .unwrap();
+    let stat = |n: &str| {
+        envoy
+            .stat(&format!("wasmcustom.tokenaware_{n}"))
+            .unwrap()
+            .unwrap_or(0)
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while stat("peer_polls_failed") < 3 {
+        assert!(Instant::now() < deadline, "no failed peer poll counted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut served = BTreeSet::new();
+    for q in 0..4 {
+        let r = http
+            .post(envoy.url(CHAT))
+            .header("content-type", "application/json")
+            .body(chat(&system(7, 20_000), &format!("q{q}")))
+            .send()
+            .await
+            .unwrap();
+        let a = answer(r).await;
+        assert_eq!(a.status, 200);
+        served.insert(a.endpoint);
+    }
+    assert_eq!(
+        served.len(),
+        1,
+        "the prefix stays on one endpoint: {served:?}"
+    );
+    assert_eq!(stat("decisions_sticky"), 3);
+    assert_eq!(stat("peer_polls_ok"), 0);
+    assert_eq!(stat("peer_placements_shared"), 1);
+    drop(envoy);
+    drop(fleet);
+}
