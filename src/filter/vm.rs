@@ -193,6 +193,8 @@ impl Vm {
             "otherSendersSeen": table.foreign.seen,
             "coldPlacementChoices": router.params.cold_choices,
             "sharedPrefixes": router.params.shared_prefixes,
+            // With `peers`: new placements this process has kept for the peers so far.
+            "placementsShared": router.placements.as_ref().and_then(|l| l.next(h).ok()),
             "endpoints": eps,
         });
         serde_json::to_vec_pretty(&out).unwrap_or_default()

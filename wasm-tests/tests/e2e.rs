@@ -818,6 +818,15 @@ async fn replicas_named_as_peers_send_a_prefix_where_the_other_placed_it() {
         .unwrap();
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["next"], 4);
+    let d: Value = http
+        .get(a.url(DEBUG))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(d["placementsShared"], 4);
     assert!(!text.contains("meticulous"));
     assert_eq!(
         b.stat("wasmcustom.tokenaware_peer_polls_failed")
