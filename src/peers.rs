@@ -15,6 +15,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use xxhash_rust::xxh64::xxh64;
+
 use crate::store::{read_u64, update, write_u64, SharedStore, StoreError};
 
 /// Placements the ring holds; a peer polling less often than this many new placements
@@ -122,6 +124,55 @@ impl PlacementLog {
             next: seq,
             placements: out,
         })
+    }
+}
+
+/// Where the poller asks each peer from next, in shared data, so a poller that takes the
+/// lease over goes on where the last one stopped instead of inserting the peer's whole ring
+/// again (old placements an endpoint may have evicted since). `{ns}/pc/{i}` for the i-th
+/// peer cluster holds (hash of its name, next sequence number): a fixed key set, and a
+/// renamed cluster starts from 0.
+#[derive(Debug, Clone)]
+pub struct PeerCursors {
+    prefix: String,
+}
+
+impl PeerCursors {
+    pub fn new(namespace: &str) -> PeerCursors {
+        PeerCursors {
+            prefix: format!("{namespace}/pc/"),
+        }
+    }
+
+    fn key(&self, i: usize) -> String {
+        format!("{}{i}", self.prefix)
+    }
+
+    /// The next sequence number to ask peer `i` (named `cluster`) from; 0 when unknown.
+    pub fn get<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        i: usize,
+        cluster: &str,
+    ) -> Result<u64, StoreError> {
+        let (v, _) = s.get(&self.key(i))?;
+        Ok(match v {
+            Some(v) if read_u64(&v, 0) == xxh64(cluster.as_bytes(), 0) => read_u64(&v, 8),
+            _ => 0,
+        })
+    }
+
+    pub fn set<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        i: usize,
+        cluster: &str,
+        next: u64,
+    ) -> Result<(), StoreError> {
+        let mut b = vec![0u8; 16];
+        write_u64(&mut b, 0, xxh64(cluster.as_bytes(), 0));
+        write_u64(&mut b, 8, next);
+        s.set(&self.key(i), &b, None)
     }
 }
 
@@ -335,6 +386,17 @@ mod tests {
         assert!(b.to_json().len() < 2 * MAX_ANSWER_BYTES);
         let rest = log.since(&s, b.next).unwrap();
         assert_eq!(rest.placements[0].seq, b.next);
+    }
+
+    #[test]
+    fn cursors_are_kept_per_peer_and_a_renamed_peer_starts_over() {
+        let (c, s) = (PeerCursors::new("t"), MemStore::new());
+        assert_eq!(c.get(&s, 0, "gw_b").unwrap(), 0);
+        c.set(&s, 0, "gw_b", 42).unwrap();
+        c.set(&s, 1, "gw_c", 7).unwrap();
+        assert_eq!(c.get(&s, 0, "gw_b").unwrap(), 42);
+        assert_eq!(c.get(&s, 1, "gw_c").unwrap(), 7);
+        assert_eq!(c.get(&s, 0, "gw_x").unwrap(), 0);
     }
 
     #[test]

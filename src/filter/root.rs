@@ -40,7 +40,7 @@ use super::vm::Vm;
 use crate::config::{Config, ConfigError};
 use crate::endpoints::{Changes, EndpointTable, ServedWork};
 use crate::estimator::Estimate;
-use crate::peers::PlacementBatch;
+use crate::peers::{PeerCursors, PlacementBatch};
 use crate::prometheus::{parse_metrics, ServerMetrics};
 use crate::store::{read_u64, update, write_u64, SharedStore, StoreError};
 
@@ -82,8 +82,8 @@ impl Lease {
 enum Call {
     Discovery,
     Metrics(String),
-    /// A peer replica's placements, by its cluster.
-    Peer(String),
+    /// A peer replica's placements, by its cluster's place in `peers.clusters`.
+    Peer(usize),
 }
 
 pub struct Root {
@@ -105,8 +105,8 @@ pub struct Root {
     /// This configuration's generation (see the module docs).
     generation: u64,
     next_peers_ms: u64,
-    /// Per peer cluster, the sequence number its next poll asks from (see `peers`).
-    peer_since: HashMap<String, u64>,
+    /// Where each peer's next poll asks from (in shared data: see `peers::PeerCursors`).
+    peer_cursors: PeerCursors,
 }
 
 impl Root {
@@ -138,7 +138,9 @@ impl Root {
         let vm = Rc::new(Vm::new(h, cfg, id));
         let (generation, newest) =
             claim_generation(h, &vm.keys.config, xxhash_rust::xxh3::xxh3_64(bytes));
+        let peer_cursors = PeerCursors::new(&vm.cfg.namespace);
         let root = Root {
+            peer_cursors,
             generation,
             vm,
             calls: HashMap::new(),
@@ -150,7 +152,6 @@ impl Root {
             served: HashMap::new(),
             gauges: HashMap::new(),
             next_peers_ms: 0,
-            peer_since: HashMap::new(),
         };
         if newest && root.vm.cfg.discovery.is_none() {
             root.adopt_static_list(h);
@@ -321,15 +322,14 @@ impl Root {
             return;
         }
         self.next_peers_ms = now + p.interval_ms;
-        for cluster in &p.clusters {
-            let busy = self
-                .calls
-                .values()
-                .any(|(c, _)| matches!(c, Call::Peer(x) if x == cluster));
-            if busy {
+        for (i, cluster) in p.clusters.iter().enumerate() {
+            if self.calls.values().any(|(c, _)| *c == Call::Peer(i)) {
                 continue;
             }
-            let since = self.peer_since.get(cluster).copied().unwrap_or(0);
+            let Ok(since) = self.peer_cursors.get(h, i, cluster) else {
+                self.vm.stats.inc(h, Counter::PeerErrors);
+                continue;
+            };
             let path = format!("{}?since={since}", p.path);
             let hdrs = [
                 (":method", "GET"),
@@ -338,7 +338,7 @@ impl Root {
             ];
             match h.dispatch(cluster, &hdrs, p.timeout_ms) {
                 Ok(token) => {
-                    self.calls.insert(token, (Call::Peer(cluster.clone()), now));
+                    self.calls.insert(token, (Call::Peer(i), now));
                 }
                 Err(_) => self.vm.stats.inc(h, Counter::PeerPollsFailed),
             }
@@ -347,7 +347,7 @@ impl Root {
 
     /// A peer's answer: its placements go into this gateway's index, and the next poll
     /// asks from where this one ended.
-    fn peer_answered<H: Host>(&mut self, h: &H, cluster: String, body: Option<Vec<u8>>) {
+    fn peer_answered<H: Host>(&mut self, h: &H, peer: usize, body: Option<Vec<u8>>) {
         let Some(batch) = body.as_deref().and_then(PlacementBatch::from_json) else {
             return self.vm.stats.inc(h, Counter::PeerPollsFailed);
         };
@@ -364,7 +364,16 @@ impl Root {
                 .add(h, Counter::PeerPlacementsLearned, n as u64),
             Err(_) => return self.vm.stats.inc(h, Counter::PeerErrors),
         }
-        self.peer_since.insert(cluster, batch.next);
+        let cluster = self
+            .vm
+            .cfg
+            .peers
+            .as_ref()
+            .and_then(|p| p.clusters.get(peer));
+        let saved = cluster.map(|c| self.peer_cursors.set(h, peer, c, batch.next));
+        if matches!(saved, Some(Err(_))) {
+            self.vm.stats.inc(h, Counter::PeerErrors);
+        }
     }
 
     /// The answer to a call this root made; `num_headers == 0` means it failed (timeout,
@@ -397,12 +406,12 @@ impl Root {
                     Err(_) => self.poll_failed(h, &address),
                 }
             }
-            Call::Peer(cluster) => {
+            Call::Peer(peer) => {
                 let body = match ok {
                     true => h.call_response_body(body.min(MAX_PEER_BYTES)).ok(),
                     false => None,
                 };
-                self.peer_answered(h, cluster, body);
+                self.peer_answered(h, peer, body);
             }
             Call::Discovery => {
                 let found = if ok {

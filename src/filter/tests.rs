@@ -1412,6 +1412,18 @@ fn a_replica_learns_where_its_peer_placed_a_prefix() {
         .unwrap()
         .1;
     assert_eq!(path, "/tokenaware/peers?since=1");
+    // So does a poller that takes the lease over (another worker of B's process).
+    let mut rb2 = root(&hb, PEERS, 3);
+    hb.now.set(hb.now.get() + 10_000);
+    rb2.on_tick(&hb);
+    let calls = hb.take_dispatched();
+    let path = &calls[0]
+        .headers
+        .iter()
+        .find(|(k, _)| k == ":path")
+        .unwrap()
+        .1;
+    assert_eq!(path, "/tokenaware/peers?since=1");
 }
 
 #[test]
