@@ -37,15 +37,35 @@ pub struct Placement {
     pub blocks: Vec<u64>,
 }
 
-/// What a peer's poll answers: placements from its `since`, and where the next poll starts.
+/// What a peer's poll answers: placements from its `since`, where the next poll starts, and
+/// which ring they came from (a restarted process starts a new ring, numbered from 0).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PlacementBatch {
     pub next: u64,
+    pub ring: u64,
     pub placements: Vec<Placement>,
 }
 
+impl PlacementBatch {
+    /// Where the poll after this answer asks from.
+    pub fn cursor(&self) -> Cursor {
+        Cursor {
+            next: self.next,
+            ring: self.ring,
+        }
+    }
+}
+
+/// Where a poll asks from: a sequence number in one ring.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Cursor {
+    pub next: u64,
+    pub ring: u64,
+}
+
 /// The ring of this process's recent new placements: `{ns}/pl/n` (the next sequence
-/// number) and `{ns}/pl/{seq % LOG_ENTRIES}`.
+/// number, and the ring's identity, set by the process's first placement) and
+/// `{ns}/pl/{seq % LOG_ENTRIES}`.
 #[derive(Debug, Clone)]
 pub struct PlacementLog {
     prefix: String,
@@ -64,17 +84,24 @@ impl PlacementLog {
         format!("{}{}", self.prefix, seq % LOG_ENTRIES)
     }
 
-    /// Adds a placement; returns its sequence number.
+    /// Adds a placement; returns its sequence number. `ring_seed` names the ring when this
+    /// is the process's first placement (any value that differs between restarts: the time).
     pub fn record<S: SharedStore + ?Sized>(
         &self,
         s: &S,
         address: &str,
         blocks: &[u64],
+        ring_seed: u64,
     ) -> Result<u64, StoreError> {
         let seq = update(s, &self.count_key, |old| {
             let n = read_u64(old, 0);
-            let mut b = vec![0u8; 8];
+            let ring = match read_u64(old, 8) {
+                0 => ring_seed | 1,
+                r => r,
+            };
+            let mut b = vec![0u8; 16];
             write_u64(&mut b, 0, n.wrapping_add(1));
+            write_u64(&mut b, 8, ring);
             Some((b, n))
         })?
         .unwrap_or(0);
@@ -83,25 +110,28 @@ impl PlacementLog {
         Ok(seq)
     }
 
-    /// The next sequence number (placements recorded so far).
-    pub fn next<S: SharedStore + ?Sized>(&self, s: &S) -> Result<u64, StoreError> {
+    /// The next sequence number (placements recorded so far) and the ring's identity.
+    pub fn end<S: SharedStore + ?Sized>(&self, s: &S) -> Result<Cursor, StoreError> {
         let (v, _) = s.get(&self.count_key)?;
-        Ok(v.map_or(0, |v| read_u64(&v, 0)))
+        Ok(v.map_or(Cursor::default(), |v| Cursor {
+            next: read_u64(&v, 0),
+            ring: read_u64(&v, 8),
+        }))
     }
 
-    /// Placements from `since` on, up to about `MAX_ANSWER_BYTES`. A `since` past the end
-    /// (this process restarted, its numbers began again) answers from the oldest held.
+    /// Placements from `from.next` on, up to about `MAX_ANSWER_BYTES`. A cursor of another
+    /// ring, or past the end, answers from the oldest held: this process restarted since,
+    /// and its numbers began again.
     pub fn since<S: SharedStore + ?Sized>(
         &self,
         s: &S,
-        since: u64,
+        from: Cursor,
     ) -> Result<PlacementBatch, StoreError> {
-        let end = self.next(s)?;
+        let Cursor { next: end, ring } = self.end(s)?;
         let oldest = end.saturating_sub(LOG_ENTRIES);
-        let mut seq = if since > end {
-            oldest
-        } else {
-            since.max(oldest)
+        let mut seq = match from.ring == ring && from.next <= end {
+            true => from.next.max(oldest),
+            false => oldest,
         };
         let (mut out, mut bytes) = (Vec::new(), 0);
         while seq < end && bytes < MAX_ANSWER_BYTES {
@@ -122,6 +152,7 @@ impl PlacementLog {
         }
         Ok(PlacementBatch {
             next: seq,
+            ring,
             placements: out,
         })
     }
@@ -130,8 +161,8 @@ impl PlacementLog {
 /// Where the poller asks each peer from next, in shared data, so a poller that takes the
 /// lease over goes on where the last one stopped instead of inserting the peer's whole ring
 /// again (old placements an endpoint may have evicted since). `{ns}/pc/{i}` for the i-th
-/// peer cluster holds (hash of its name, next sequence number): a fixed key set, and a
-/// renamed cluster starts from 0.
+/// peer cluster holds (hash of its name, next sequence number, ring): a fixed key set, and
+/// a renamed cluster starts over.
 #[derive(Debug, Clone)]
 pub struct PeerCursors {
     prefix: String,
@@ -148,17 +179,20 @@ impl PeerCursors {
         format!("{}{i}", self.prefix)
     }
 
-    /// The next sequence number to ask peer `i` (named `cluster`) from; 0 when unknown.
+    /// Where to ask peer `i` (named `cluster`) from; the start of no ring when unknown.
     pub fn get<S: SharedStore + ?Sized>(
         &self,
         s: &S,
         i: usize,
         cluster: &str,
-    ) -> Result<u64, StoreError> {
+    ) -> Result<Cursor, StoreError> {
         let (v, _) = s.get(&self.key(i))?;
         Ok(match v {
-            Some(v) if read_u64(&v, 0) == xxh64(cluster.as_bytes(), 0) => read_u64(&v, 8),
-            _ => 0,
+            Some(v) if read_u64(&v, 0) == xxh64(cluster.as_bytes(), 0) => Cursor {
+                next: read_u64(&v, 8),
+                ring: read_u64(&v, 16),
+            },
+            _ => Cursor::default(),
         })
     }
 
@@ -167,11 +201,12 @@ impl PeerCursors {
         s: &S,
         i: usize,
         cluster: &str,
-        next: u64,
+        at: Cursor,
     ) -> Result<(), StoreError> {
-        let mut b = vec![0u8; 16];
+        let mut b = vec![0u8; 24];
         write_u64(&mut b, 0, xxh64(cluster.as_bytes(), 0));
-        write_u64(&mut b, 8, next);
+        write_u64(&mut b, 8, at.next);
+        write_u64(&mut b, 16, at.ring);
         s.set(&self.key(i), &b, None)
     }
 }
@@ -218,6 +253,8 @@ struct WirePlacement {
 #[derive(Serialize, Deserialize)]
 struct WireBatch {
     next: u64,
+    #[serde(default)]
+    ring: u64,
     placements: Vec<WirePlacement>,
 }
 
@@ -226,6 +263,7 @@ impl PlacementBatch {
     pub fn to_json(&self) -> Vec<u8> {
         let wire = WireBatch {
             next: self.next,
+            ring: self.ring,
             placements: self
                 .placements
                 .iter()
@@ -256,6 +294,7 @@ impl PlacementBatch {
             .collect();
         Some(PlacementBatch {
             next: wire.next,
+            ring: wire.ring,
             placements,
         })
     }
@@ -272,16 +311,21 @@ fn parse_hex_blocks(s: &str) -> Option<Vec<u64>> {
         .collect()
 }
 
-/// `since=N` from a request path's query (0 when absent or not a number).
-pub fn since_in_path(path: &str) -> u64 {
-    let Some((_, query)) = path.split_once('?') else {
-        return 0;
+/// The cursor a poll asks from: `since=N&ring=R` in the path's query (0 for what is absent
+/// or not a number).
+pub fn cursor_in_path(path: &str) -> Cursor {
+    let query = path.split_once('?').map_or("", |(_, q)| q);
+    let field = |name: &str| {
+        query
+            .split('&')
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
     };
-    query
-        .split('&')
-        .find_map(|kv| kv.strip_prefix("since="))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+    Cursor {
+        next: field("since"),
+        ring: field("ring"),
+    }
 }
 
 #[cfg(test)]
@@ -289,10 +333,19 @@ mod tests {
     use super::*;
     use crate::store::MemStore;
 
+    /// Sequence number `next` of the log's own ring.
+    fn at(log: &PlacementLog, s: &MemStore, next: u64) -> Cursor {
+        Cursor {
+            next,
+            ring: log.end(s).unwrap().ring,
+        }
+    }
+
     fn log_with(n: u64) -> (PlacementLog, MemStore) {
         let (log, s) = (PlacementLog::new("t"), MemStore::new());
         for i in 0..n {
-            log.record(&s, "10.0.0.1:8000", &[i, i + 1, i + 2]).unwrap();
+            log.record(&s, "10.0.0.1:8000", &[i, i + 1, i + 2], 1_000)
+                .unwrap();
         }
         (log, s)
     }
@@ -300,26 +353,39 @@ mod tests {
     #[test]
     fn a_peer_reads_what_was_placed_after_its_last_poll() {
         let (log, s) = log_with(5);
-        let b = log.since(&s, 3).unwrap();
+        let b = log.since(&s, at(&log, &s, 3)).unwrap();
         assert_eq!(b.next, 5);
         let seqs: Vec<u64> = b.placements.iter().map(|p| p.seq).collect();
         assert_eq!(seqs, [3, 4]);
         assert_eq!(b.placements[0].blocks, [3, 4, 5]);
         assert_eq!(b.placements[0].address, "10.0.0.1:8000");
-        assert!(log.since(&s, 5).unwrap().placements.is_empty());
+        assert!(log
+            .since(&s, at(&log, &s, 5))
+            .unwrap()
+            .placements
+            .is_empty());
     }
 
     #[test]
     fn the_ring_keeps_the_newest_and_a_restart_answers_from_the_oldest() {
         let (log, s) = log_with(LOG_ENTRIES + 10);
-        let b = log.since(&s, 0).unwrap();
+        let b = log.since(&s, at(&log, &s, 0)).unwrap();
         assert_eq!(b.placements.len() as u64, LOG_ENTRIES);
         assert_eq!(b.placements[0].seq, 10);
         assert_eq!(b.next, LOG_ENTRIES + 10);
         // A poller that asks past the end (this process restarted) gets the ring again.
-        let again = log.since(&s, 10_000).unwrap();
+        let again = log.since(&s, at(&log, &s, 10_000)).unwrap();
         assert_eq!(again.placements.len() as u64, LOG_ENTRIES);
         assert_eq!(s.len() as u64, LOG_ENTRIES + 1, "bounded key set");
+        // So does one that asks a ring this process no longer has (it restarted, and has
+        // placed more since than the poller had read before).
+        let other = Cursor {
+            next: 20,
+            ring: log.end(&s).unwrap().ring + 2,
+        };
+        let b = log.since(&s, other).unwrap();
+        assert_eq!(b.placements[0].seq, 10);
+        assert_eq!(b.cursor(), log.end(&s).unwrap());
     }
 
     #[test]
@@ -332,7 +398,7 @@ mod tests {
             Some((b, ()))
         })
         .unwrap();
-        let b = log.since(&s, 0).unwrap();
+        let b = log.since(&s, at(&log, &s, 0)).unwrap();
         assert_eq!(b.placements.len(), 2);
         assert_eq!(b.next, 2, "the next poll starts at the missing one");
     }
@@ -341,7 +407,7 @@ mod tests {
     fn an_unreadable_entry_is_skipped_not_waited_for() {
         let (log, s) = log_with(3);
         s.set("t/pl/1", b"garbage", None).unwrap();
-        let b = log.since(&s, 0).unwrap();
+        let b = log.since(&s, at(&log, &s, 0)).unwrap();
         let seqs: Vec<u64> = b.placements.iter().map(|p| p.seq).collect();
         assert_eq!(seqs, [0, 2]);
         assert_eq!(b.next, 3);
@@ -350,7 +416,7 @@ mod tests {
     #[test]
     fn answers_round_trip_as_json_and_garbage_is_refused() {
         let (log, s) = log_with(3);
-        let b = log.since(&s, 0).unwrap();
+        let b = log.since(&s, at(&log, &s, 0)).unwrap();
         let back = PlacementBatch::from_json(&b.to_json()).unwrap();
         assert_eq!(back.next, 3);
         assert_eq!(back.placements.len(), 3);
@@ -375,35 +441,43 @@ mod tests {
         let (log, s) = (PlacementLog::new("t"), MemStore::new());
         let long: Vec<u64> = (0..5_000).collect();
         for _ in 0..200 {
-            log.record(&s, "10.0.0.1:8000", &long).unwrap();
+            log.record(&s, "10.0.0.1:8000", &long, 1_000).unwrap();
         }
-        let b = log.since(&s, 0).unwrap();
+        let b = log.since(&s, at(&log, &s, 0)).unwrap();
         assert_eq!(b.placements[0].blocks.len(), MAX_SHARED_BLOCKS);
         assert!(
             b.placements.len() < 200,
             "one answer stops near its byte bound"
         );
         assert!(b.to_json().len() < 2 * MAX_ANSWER_BYTES);
-        let rest = log.since(&s, b.next).unwrap();
+        let rest = log.since(&s, at(&log, &s, b.next)).unwrap();
         assert_eq!(rest.placements[0].seq, b.next);
     }
 
     #[test]
     fn cursors_are_kept_per_peer_and_a_renamed_peer_starts_over() {
         let (c, s) = (PeerCursors::new("t"), MemStore::new());
-        assert_eq!(c.get(&s, 0, "gw_b").unwrap(), 0);
-        c.set(&s, 0, "gw_b", 42).unwrap();
-        c.set(&s, 1, "gw_c", 7).unwrap();
-        assert_eq!(c.get(&s, 0, "gw_b").unwrap(), 42);
-        assert_eq!(c.get(&s, 1, "gw_c").unwrap(), 7);
-        assert_eq!(c.get(&s, 0, "gw_x").unwrap(), 0);
+        let (b, x) = (Cursor { next: 42, ring: 5 }, Cursor { next: 7, ring: 9 });
+        assert_eq!(c.get(&s, 0, "gw_b").unwrap(), Cursor::default());
+        c.set(&s, 0, "gw_b", b).unwrap();
+        c.set(&s, 1, "gw_c", x).unwrap();
+        assert_eq!(c.get(&s, 0, "gw_b").unwrap(), b);
+        assert_eq!(c.get(&s, 1, "gw_c").unwrap(), x);
+        assert_eq!(c.get(&s, 0, "gw_x").unwrap(), Cursor::default());
     }
 
     #[test]
-    fn since_is_read_from_the_query() {
-        assert_eq!(since_in_path("/tokenaware/peers?since=42"), 42);
-        assert_eq!(since_in_path("/tokenaware/peers?x=1&since=7"), 7);
-        assert_eq!(since_in_path("/tokenaware/peers"), 0);
-        assert_eq!(since_in_path("/tokenaware/peers?since=-1"), 0);
+    fn the_cursor_is_read_from_the_query() {
+        let c = |next, ring| Cursor { next, ring };
+        assert_eq!(
+            cursor_in_path("/tokenaware/peers?since=42&ring=3"),
+            c(42, 3)
+        );
+        assert_eq!(cursor_in_path("/tokenaware/peers?x=1&since=7"), c(7, 0));
+        assert_eq!(cursor_in_path("/tokenaware/peers"), c(0, 0));
+        assert_eq!(
+            cursor_in_path("/tokenaware/peers?since=-1&rings=4"),
+            c(0, 0)
+        );
     }
 }

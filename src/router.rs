@@ -375,7 +375,7 @@ impl Router {
         if chain.full_blocks().is_empty() {
             return Ok(false);
         }
-        log.record(s, address, chain.full_blocks())?;
+        log.record(s, address, chain.full_blocks(), routed.dispatch_ms)?;
         Ok(true)
     }
 

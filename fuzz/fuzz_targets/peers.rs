@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tokenaware::peers::{PlacementBatch, PlacementLog, MAX_SHARED_BLOCKS};
+use tokenaware::peers::{Cursor, PlacementBatch, PlacementLog, MAX_SHARED_BLOCKS};
 use tokenaware::store::{MemStore, SharedStore};
 
 fuzz_target!(|data: &[u8]| {
@@ -24,8 +24,9 @@ fuzz_target!(|data: &[u8]| {
     for (i, chunk) in rest.chunks(rest.len().div_ceil(4).max(1)).enumerate() {
         let _ = s.set(&format!("f/pl/{i}"), chunk, None);
     }
-    for since in [0, 2, u64::from(n), 1_000] {
-        let b = log.since(&s, since).expect("a memory store does not fail");
+    let ring = log.end(&s).expect("a memory store does not fail").ring;
+    for (since, ring) in [(0, ring), (2, ring), (u64::from(n), ring), (1_000, ring), (1, ring ^ 1)] {
+        let b = log.since(&s, Cursor { next: since, ring }).expect("a memory store does not fail");
         assert!(b.next <= u64::from(n).max(since));
         assert!(b.placements.windows(2).all(|w| w[0].seq < w[1].seq));
     }

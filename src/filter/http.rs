@@ -418,12 +418,12 @@ impl HttpFilter {
 /// (block hashes and endpoint addresses, never prompt text). A store error answers 503, and
 /// the peer asks again on its next poll.
 fn answer_peer<H: Host>(h: &H, vm: &Vm, path: &str) -> Action {
-    let since = crate::peers::since_in_path(path);
+    let from = crate::peers::cursor_in_path(path);
     let batch = match vm.router.try_borrow() {
         Ok(r) => r
             .placements
             .as_ref()
-            .map(|l| l.since(&vm.recent.fresh(h), since)),
+            .map(|l| l.since(&vm.recent.fresh(h), from)),
         Err(_) => None,
     };
     let hdrs = [("content-type", "application/json")];

@@ -326,11 +326,11 @@ impl Root {
             if self.calls.values().any(|(c, _)| *c == Call::Peer(i)) {
                 continue;
             }
-            let Ok(since) = self.peer_cursors.get(h, i, cluster) else {
+            let Ok(from) = self.peer_cursors.get(h, i, cluster) else {
                 self.vm.stats.inc(h, Counter::PeerErrors);
                 continue;
             };
-            let path = format!("{}?since={since}", p.path);
+            let path = format!("{}?since={}&ring={}", p.path, from.next, from.ring);
             let hdrs = [
                 (":method", "GET"),
                 (":path", path.as_str()),
@@ -370,7 +370,7 @@ impl Root {
             .peers
             .as_ref()
             .and_then(|p| p.clusters.get(peer));
-        let saved = cluster.map(|c| self.peer_cursors.set(h, peer, c, batch.next));
+        let saved = cluster.map(|c| self.peer_cursors.set(h, peer, c, batch.cursor()));
         if matches!(saved, Some(Err(_))) {
             self.vm.stats.inc(h, Counter::PeerErrors);
         }

@@ -1385,7 +1385,7 @@ fn a_replica_learns_where_its_peer_placed_a_prefix() {
         .find(|(k, _)| k == ":path")
         .unwrap()
         .1;
-    assert_eq!(path, "/tokenaware/peers?since=0");
+    assert_eq!(path, "/tokenaware/peers?since=0&ring=0");
     let (status, body) = ask_peer(&ha, &a, 0);
     assert_eq!(status, 200);
     assert!(!String::from_utf8_lossy(&body).contains("tenant"));
@@ -1411,7 +1411,14 @@ fn a_replica_learns_where_its_peer_placed_a_prefix() {
         .find(|(k, _)| k == ":path")
         .unwrap()
         .1;
-    assert_eq!(path, "/tokenaware/peers?since=1");
+    let ring = crate::store::SharedStore::get(&ha.store, "tokenaware/pl/n")
+        .unwrap()
+        .0
+        .unwrap()[8..16]
+        .to_vec();
+    let ring = u64::from_le_bytes(ring.try_into().unwrap());
+    assert_ne!(ring, 0);
+    assert_eq!(path, &format!("/tokenaware/peers?since=1&ring={ring}"));
     // So does a poller that takes the lease over (another worker of B's process).
     let mut rb2 = root(&hb, PEERS, 3);
     hb.now.set(hb.now.get() + 10_000);
@@ -1423,7 +1430,7 @@ fn a_replica_learns_where_its_peer_placed_a_prefix() {
         .find(|(k, _)| k == ":path")
         .unwrap()
         .1;
-    assert_eq!(path, "/tokenaware/peers?since=1");
+    assert_eq!(path, &format!("/tokenaware/peers?since=1&ring={ring}"));
 }
 
 #[test]

@@ -194,7 +194,7 @@ impl Vm {
             "coldPlacementChoices": router.params.cold_choices,
             "sharedPrefixes": router.params.shared_prefixes,
             // With `peers`: new placements this process has kept for the peers so far.
-            "placementsShared": router.placements.as_ref().and_then(|l| l.next(h).ok()),
+            "placementsShared": router.placements.as_ref().and_then(|l| l.end(h).ok()).map(|c| c.next),
             "endpoints": eps,
         });
         serde_json::to_vec_pretty(&out).unwrap_or_default()
