@@ -6,8 +6,8 @@
 //! coin: the prefix ends up held twice, each copy at half its traffic. The model servers'
 //! metrics cannot say where a prefix went; the replica that placed it can.
 //!
-//! So each process keeps its recent new placements (an endpoint that matched none of the
-//! prompt) in a ring in shared data, `PlacementLog`, and answers a peer's poll with those
+//! So each process keeps its recent new placements (a new copy of a prefix: a cold
+//! placement, a spill, a promotion) in a ring in shared data, `PlacementLog`, and answers a peer's poll with those
 //! after the sequence number the peer asks from. The poller of each replica inserts what
 //! its peers placed into its own index, under the endpoint with the same address: the next
 //! request of that prefix finds it warm where it already is. What is sent are block hashes
