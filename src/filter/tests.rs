@@ -1347,6 +1347,11 @@ fn the_poller_keeps_each_servers_own_prefill_rate() {
 
 const PEERS: &str = r#","peers":{"clusters":["gateway_b"],"intervalMs":100}"#;
 
+/// The `:path` of a dispatched call.
+fn path_of(c: &Dispatched) -> &str {
+    &c.headers.iter().find(|(k, _)| k == ":path").unwrap().1
+}
+
 /// The peer path of `vm`'s process, asked from `since`: (status, body).
 fn ask_peer(h: &FakeHost, vm: &Rc<Vm>, since: u64) -> (u32, Vec<u8>) {
     h.sent.borrow_mut().clear();
@@ -1379,12 +1384,7 @@ fn a_replica_learns_where_its_peer_placed_a_prefix() {
     let calls = hb.take_dispatched();
     assert_eq!(calls.len(), 1);
     assert_eq!(calls[0].cluster, "gateway_b");
-    let path = &calls[0]
-        .headers
-        .iter()
-        .find(|(k, _)| k == ":path")
-        .unwrap()
-        .1;
+    let path = path_of(&calls[0]);
     assert_eq!(path, "/tokenaware/peers?since=0&ring=0");
     let (status, body) = ask_peer(&ha, &a, 0);
     assert_eq!(status, 200);
@@ -1405,32 +1405,20 @@ fn a_replica_learns_where_its_peer_placed_a_prefix() {
     hb.now.set(hb.now.get() + 200);
     rb.on_tick(&hb);
     let calls = hb.take_dispatched();
-    let path = &calls[0]
-        .headers
-        .iter()
-        .find(|(k, _)| k == ":path")
+    let path = path_of(&calls[0]);
+    let ring = crate::peers::PlacementLog::new("tokenaware")
+        .end(&ha.store)
         .unwrap()
-        .1;
-    let ring = crate::store::SharedStore::get(&ha.store, "tokenaware/pl/n")
-        .unwrap()
-        .0
-        .unwrap()[8..16]
-        .to_vec();
-    let ring = u64::from_le_bytes(ring.try_into().unwrap());
+        .ring;
     assert_ne!(ring, 0);
-    assert_eq!(path, &format!("/tokenaware/peers?since=1&ring={ring}"));
+    assert_eq!(path, format!("/tokenaware/peers?since=1&ring={ring}"));
     // So does a poller that takes the lease over (another worker of B's process).
     let mut rb2 = root(&hb, PEERS, 3);
     hb.now.set(hb.now.get() + 10_000);
     rb2.on_tick(&hb);
     let calls = hb.take_dispatched();
-    let path = &calls[0]
-        .headers
-        .iter()
-        .find(|(k, _)| k == ":path")
-        .unwrap()
-        .1;
-    assert_eq!(path, &format!("/tokenaware/peers?since=1&ring={ring}"));
+    let path = path_of(&calls[0]);
+    assert_eq!(path, format!("/tokenaware/peers?since=1&ring={ring}"));
 }
 
 #[test]

@@ -64,19 +64,39 @@ const POLL: &str =
     r#""metrics":{"cluster":"models","intervalMs":100,"timeoutMs":500,"staleAfterMs":3000}"#;
 
 async fn start(fleet: FleetConfig, config: impl FnOnce(&[String]) -> String) -> Gateway {
-    let wasm = wasm_path();
+    start_with(fleet, config, |_| {}).await
+}
+
+/// `start`, with `tweak` applied to the Envoy config (e.g. extra clusters).
+async fn start_with(
+    fleet: FleetConfig,
+    config: impl FnOnce(&[String]) -> String,
+    tweak: impl FnOnce(&mut GatewayConfig),
+) -> Gateway {
     let fleet = Fleet::start_on_free_ports(fleet).unwrap();
     let eps = fleet.endpoints();
-    let cfg = GatewayConfig::new(eps.clone()).with_wasm(wasm, config(&eps));
-    let envoy = tokio::task::spawn_blocking(move || Envoy::start(cfg))
+    let mut cfg = GatewayConfig::new(eps.clone()).with_wasm(wasm_path(), config(&eps));
+    tweak(&mut cfg);
+    let envoy = spawn_envoy(cfg).await;
+    Gateway {
+        fleet,
+        envoy,
+        http: client(),
+    }
+}
+
+async fn spawn_envoy(cfg: GatewayConfig) -> Envoy {
+    tokio::task::spawn_blocking(move || Envoy::start(cfg))
         .await
         .unwrap()
-        .unwrap();
-    let http = reqwest::Client::builder()
+        .unwrap()
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
         .timeout(CLIENT_TIMEOUT)
         .build()
-        .unwrap();
-    Gateway { fleet, envoy, http }
+        .unwrap()
 }
 
 fn fleet(endpoints: usize, time_factor: f64) -> FleetConfig {
@@ -765,17 +785,9 @@ async fn replicas_named_as_peers_send_a_prefix_where_the_other_placed_it() {
             GatewayConfig::new(eps.clone()).with_wasm(wasm_path(), plugin_config(&eps, peers));
         cfg.listen_port = me;
         cfg.peer_clusters = vec![("peer".into(), format!("127.0.0.1:{other}"))];
-        envoys.push(
-            tokio::task::spawn_blocking(move || Envoy::start(cfg))
-                .await
-                .unwrap()
-                .unwrap(),
-        );
+        envoys.push(spawn_envoy(cfg).await);
     }
-    let http = reqwest::Client::builder()
-        .timeout(CLIENT_TIMEOUT)
-        .build()
-        .unwrap();
+    let http = client();
     let post = |e: &Envoy, body: String| {
         let req = http
             .post(e.url(CHAT))
@@ -845,26 +857,14 @@ async fn a_peer_that_is_down_only_counts_failed_polls() {
         return;
     }
     let dead = wasm_tests::ports::free_ports(1).unwrap()[0];
-    let fleet = Fleet::start_on_free_ports(fleet(3, 0.01)).unwrap();
-    let eps = fleet.endpoints();
     let peers = r#""peers":{"clusters":["peer"],"intervalMs":50,"timeoutMs":200}"#;
-    let mut cfg =
-        GatewayConfig::new(eps.clone()).with_wasm(wasm_path(), plugin_config(&eps, peers));
-    cfg.peer_clusters = vec![("peer".into(), format!("127.0.0.1:{dead}"))];
-    let envoy = tokio::task::spawn_blocking(move || Envoy::start(cfg))
-        .await
-        .unwrap()
-        .unwrap();
-    let http = reqwest::Client::builder()
-        .timeout(CLIENT_TIMEOUT)
-        .build()
-        .unwrap();
-    let stat = |n: &str| {
-        envoy
-            .stat(&format!("wasmcustom.tokenaware_{n}"))
-            .unwrap()
-            .unwrap_or(0)
-    };
+    let gw = start_with(
+        fleet(3, 0.01),
+        |eps| plugin_config(eps, peers),
+        |cfg| cfg.peer_clusters = vec![("peer".into(), format!("127.0.0.1:{dead}"))],
+    )
+    .await;
+    let stat = |n: &str| gw.envoy_stat(&format!("wasmcustom.tokenaware_{n}"));
     let deadline = Instant::now() + Duration::from_secs(10);
     while stat("peer_polls_failed") < 3 {
         assert!(Instant::now() < deadline, "no failed peer poll counted");
@@ -872,14 +872,9 @@ async fn a_peer_that_is_down_only_counts_failed_polls() {
     }
     let mut served = BTreeSet::new();
     for q in 0..4 {
-        let r = http
-            .post(envoy.url(CHAT))
-            .header("content-type", "application/json")
-            .body(chat(&system(7, 20_000), &format!("q{q}")))
-            .send()
-            .await
-            .unwrap();
-        let a = answer(r).await;
+        let a = gw
+            .post(CHAT, chat(&system(7, 20_000), &format!("q{q}")))
+            .await;
         assert_eq!(a.status, 200);
         served.insert(a.endpoint);
     }
@@ -891,6 +886,4 @@ async fn a_peer_that_is_down_only_counts_failed_polls() {
     assert_eq!(stat("decisions_sticky"), 3);
     assert_eq!(stat("peer_polls_ok"), 0);
     assert_eq!(stat("peer_placements_shared"), 1);
-    drop(envoy);
-    drop(fleet);
 }
