@@ -184,6 +184,79 @@ pub struct PeersConfig {
     pub interval_ms: u64,
     #[serde(default = "default_peers_timeout_ms")]
     pub timeout_ms: u64,
+    /// The replicas' shared secret: sent with every poll, and asked of every poll answered.
+    /// After parsing it is always set (from `tokenEnv` when that is given instead).
+    #[serde(default)]
+    pub token: Option<PeerToken>,
+    /// The name of an environment variable of the VM (Envoy's
+    /// `vm_config.environment_variables`) that holds the token, so it can come from a secret.
+    #[serde(default)]
+    pub token_env: Option<String>,
+}
+
+/// The peers' shared secret. Never printed: `Debug` shows only its length.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct PeerToken(String);
+
+/// Shortest and longest token accepted, in bytes.
+pub const PEER_TOKEN_LEN: (usize, usize) = (16, 256);
+
+impl PeerToken {
+    /// A token of 16-256 visible ASCII characters (it travels as a header value).
+    pub fn new(s: &str) -> Option<PeerToken> {
+        let (lo, hi) = PEER_TOKEN_LEN;
+        let ok = (lo..=hi).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_graphic());
+        ok.then(|| PeerToken(s.to_string()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether `given` is this token. Takes the same time wherever the two differ, so an
+    /// asker cannot find the token a byte at a time.
+    pub fn admits(&self, given: &[u8]) -> bool {
+        let want = self.0.as_bytes();
+        given.len() == want.len()
+            && given
+                .iter()
+                .zip(want)
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+    }
+}
+
+impl std::fmt::Debug for PeerToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PeerToken(<{} bytes>)", self.0.len())
+    }
+}
+
+impl PeersConfig {
+    /// Sets `token` from `tokenEnv`'s variable, when that is how it was given.
+    fn resolve_token(&mut self, env: &dyn Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
+        let Some(name) = &self.token_env else {
+            return Ok(());
+        };
+        let value = env(name).ok_or_else(|| {
+            err(
+                "peers.tokenEnv",
+                format!(
+                    "`{name}` is not set in the VM's environment (vm_config.environment_variables)"
+                ),
+            )
+        })?;
+        let token = PeerToken::new(value.trim())
+            .ok_or_else(|| err("peers.tokenEnv", format!("`{name}`: {}", token_form())))?;
+        self.token = Some(token);
+        Ok(())
+    }
+}
+
+fn token_form() -> String {
+    let (lo, hi) = PEER_TOKEN_LEN;
+    format!("must be {lo} to {hi} visible ASCII characters (no spaces)")
 }
 
 /// Most peer clusters polled.
@@ -356,14 +429,26 @@ fn check_range(field: &str, v: f64, lo: f64, hi: f64) -> Result<(), ConfigError>
 }
 
 impl Config {
-    /// Parses and validates. Empty input means all defaults.
+    /// Parses and validates, reading `peers.tokenEnv` from the process (the VM's)
+    /// environment. Empty input means all defaults.
     pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
-        let cfg: Config = if bytes.iter().all(u8::is_ascii_whitespace) {
+        Config::from_json_in(bytes, &|name| std::env::var(name).ok())
+    }
+
+    /// [`Config::from_json`] with the environment given as a lookup.
+    pub fn from_json_in(
+        bytes: &[u8],
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
+        let mut cfg: Config = if bytes.iter().all(u8::is_ascii_whitespace) {
             Config::default()
         } else {
             serde_json::from_slice(bytes).map_err(|e| serde_field_error(bytes, &e))?
         };
         cfg.validate()?;
+        if let Some(p) = cfg.peers.as_mut() {
+            p.resolve_token(env)?;
+        }
         Ok(cfg)
     }
 
@@ -519,7 +604,17 @@ impl Config {
                 "must differ from debugPath and the routed paths",
             ));
         }
-        Ok(())
+        match (&p.token, &p.token_env) {
+            (None, None) | (Some(_), Some(_)) => Err(err(
+                "peers.token",
+                "give the replicas' shared secret as `token` or name its variable in `tokenEnv` (one of the two)",
+            )),
+            (Some(t), None) if PeerToken::new(t.as_str()).is_none() => {
+                Err(err("peers.token", token_form()))
+            }
+            (None, Some(v)) if v.is_empty() => Err(err("peers.tokenEnv", "is empty")),
+            _ => Ok(()),
+        }
     }
 
     /// R_peak in tokens/s: explicit value, else the preset's, else llm-d's default. With
@@ -649,6 +744,23 @@ mod tests {
                 r#","debugPath":"/d","peers":{"clusters":["b"],"path":"/d"}"#,
                 "peers.path",
             ),
+            (r#","peers":{"clusters":["b"]}"#, "peers.token"),
+            (
+                r#","peers":{"clusters":["b"],"token":"too-short"}"#,
+                "peers.token",
+            ),
+            (
+                r#","peers":{"clusters":["b"],"token":"sixteen chars or more"}"#,
+                "peers.token",
+            ),
+            (
+                r#","peers":{"clusters":["b"],"token":"0123456789abcdef","tokenEnv":"T"}"#,
+                "peers.token",
+            ),
+            (
+                r#","peers":{"clusters":["b"],"tokenEnv":""}"#,
+                "peers.tokenEnv",
+            ),
         ];
         for (extra, field) in cases {
             let e = Config::from_json(with_endpoints(extra).as_bytes()).unwrap_err();
@@ -658,6 +770,30 @@ mod tests {
         assert_eq!(e.field, "endpoints[0].address");
         let e = Config::from_json(b"").unwrap_err();
         assert_eq!(e.field, "endpoints");
+    }
+
+    #[test]
+    fn the_peer_token_comes_inline_or_from_the_environment() {
+        let inline = with_endpoints(r#","peers":{"clusters":["b"],"token":"0123456789abcdef"}"#);
+        let c = Config::from_json(inline.as_bytes()).unwrap();
+        let t = c.peers.as_ref().and_then(|p| p.token.clone()).unwrap();
+        assert!(t.admits(b"0123456789abcdef"));
+        assert!(!t.admits(b"0123456789abcdeF"));
+        assert!(!t.admits(b"0123456789abcdef0"));
+        assert!(!t.admits(b""));
+        // Never printed, whatever prints the config.
+        assert!(!format!("{c:?}").contains("0123456789abcdef"));
+        let by_env = with_endpoints(r#","peers":{"clusters":["b"],"tokenEnv":"PEER_SECRET"}"#);
+        let env = |k: &str| (k == "PEER_SECRET").then(|| " fedcba9876543210\n".to_string());
+        let c = Config::from_json_in(by_env.as_bytes(), &env).unwrap();
+        let t = c.peers.and_then(|p| p.token).unwrap();
+        assert!(t.admits(b"fedcba9876543210"));
+        let e = Config::from_json_in(by_env.as_bytes(), &|_| None).unwrap_err();
+        assert_eq!(e.field, "peers.tokenEnv");
+        assert!(e.problem.contains("PEER_SECRET"), "{e}");
+        let e = Config::from_json_in(by_env.as_bytes(), &|_| Some("short".into())).unwrap_err();
+        assert_eq!(e.field, "peers.tokenEnv");
+        assert!(!e.problem.contains("short"), "the value is not echoed: {e}");
     }
 
     #[test]

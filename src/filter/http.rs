@@ -22,6 +22,8 @@ use crate::router::{FirstByteError, Outcome, RouteError, Routed};
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 pub const DESTINATION_SERVED: &str = "x-gateway-destination-endpoint-served";
 pub const DECISION: &str = "x-tokenaware-decision";
+/// The replicas' shared secret on a peer poll (`peers.token`).
+pub const PEER_TOKEN: &str = "x-tokenaware-peer-token";
 /// Set on responses by Envoy when the route has `include_attempt_count_in_response`.
 pub const ATTEMPT_COUNT: &str = "x-envoy-attempt-count";
 
@@ -418,6 +420,17 @@ impl HttpFilter {
 /// (block hashes and endpoint addresses, never prompt text). A store error answers 503, and
 /// the peer asks again on its next poll.
 fn answer_peer<H: Host>(h: &H, vm: &Vm, path: &str) -> Action {
+    let hdrs = [("content-type", "application/json")];
+    let token = vm.cfg.peers.as_ref().and_then(|p| p.token.as_ref());
+    let given = h.request_header(PEER_TOKEN).ok().flatten();
+    if !token.is_some_and(|t| given.is_some_and(|g| t.admits(&g))) {
+        // Placements are addresses and prompt-prefix hashes: only a replica may read them.
+        vm.stats.inc(h, Counter::PeerRequestsRefused);
+        return match h.send_response(403, &hdrs, b"{\"error\":\"forbidden\"}") {
+            Ok(()) => Action::Pause,
+            Err(_) => Action::Continue,
+        };
+    }
     let from = crate::peers::cursor_in_path(path);
     let batch = match vm.router.try_borrow() {
         Ok(r) => r
@@ -426,7 +439,6 @@ fn answer_peer<H: Host>(h: &H, vm: &Vm, path: &str) -> Action {
             .map(|l| l.since(&vm.recent.fresh(h), from)),
         Err(_) => None,
     };
-    let hdrs = [("content-type", "application/json")];
     let sent = match batch {
         Some(Ok(b)) => h.send_response(200, &hdrs, &b.to_json()),
         _ => h.send_response(503, &hdrs, b"{\"error\":\"placements unavailable\"}"),

@@ -33,7 +33,7 @@ use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 
 use super::host::{Host, Level, MetricKind};
-use super::http::DESTINATION;
+use super::http::{DESTINATION, PEER_TOKEN};
 use super::memory;
 use super::stats::{endpoint_gauge_name, Counter, FOREIGN_REQUESTS, SHARED_PREFIXES};
 use super::vm::Vm;
@@ -105,6 +105,8 @@ pub struct Root {
     /// This configuration's generation (see the module docs).
     generation: u64,
     next_peers_ms: u64,
+    /// Polls peers refused for a token that differs (for the log's rate limit).
+    peer_refusals: u64,
     /// Where each peer's next poll asks from (in shared data: see `peers::PeerCursors`).
     peer_cursors: PeerCursors,
 }
@@ -152,6 +154,7 @@ impl Root {
             served: HashMap::new(),
             gauges: HashMap::new(),
             next_peers_ms: 0,
+            peer_refusals: 0,
         };
         if newest && root.vm.cfg.discovery.is_none() {
             root.adopt_static_list(h);
@@ -331,10 +334,12 @@ impl Root {
                 continue;
             };
             let path = format!("{}?since={}&ring={}", p.path, from.next, from.ring);
+            let token = p.token.as_ref().map_or("", |t| t.as_str());
             let hdrs = [
                 (":method", "GET"),
                 (":path", path.as_str()),
                 (":authority", "tokenaware-peer"),
+                (PEER_TOKEN, token),
             ];
             match h.dispatch(cluster, &hdrs, p.timeout_ms) {
                 Ok(token) => {
@@ -343,6 +348,32 @@ impl Root {
                 Err(_) => self.vm.stats.inc(h, Counter::PeerPollsFailed),
             }
         }
+    }
+
+    /// A peer that refuses the poll (403) holds another token: say so in the log (the
+    /// first time, then every power of two), since only the operator can mend it.
+    fn peer_refused<H: Host>(&mut self, h: &H, peer: usize) {
+        if !matches!(h.call_response_header(":status"), Ok(Some(s)) if s == b"403") {
+            return;
+        }
+        self.peer_refusals = self.peer_refusals.wrapping_add(1);
+        if !self.peer_refusals.is_power_of_two() {
+            return;
+        }
+        let cluster = self
+            .vm
+            .cfg
+            .peers
+            .as_ref()
+            .and_then(|p| p.clusters.get(peer));
+        h.log(
+            Level::Warn,
+            &format!(
+                "tokenaware: peer cluster {} refused a poll (403, #{}): its peers.token is not this gateway's",
+                cluster.map_or("?", String::as_str),
+                self.peer_refusals
+            ),
+        );
     }
 
     /// A peer's answer: its placements go into this gateway's index, and the next poll
@@ -407,6 +438,9 @@ impl Root {
                 }
             }
             Call::Peer(peer) => {
+                if num_headers > 0 && !ok {
+                    self.peer_refused(h, peer);
+                }
                 let body = match ok {
                     true => h.call_response_body(body.min(MAX_PEER_BYTES)).ok(),
                     false => None,

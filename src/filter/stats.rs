@@ -132,10 +132,12 @@ pub enum Counter {
     PeerPlacementsLearned,
     /// A placement could not be kept for the peers, or a peer's could not be inserted.
     PeerErrors,
+    /// Asks on `peers.path` refused: no token, or not the replicas' (`peers.token`).
+    PeerRequestsRefused,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 24] = [
+    pub const ALL: [Counter; 25] = [
         Counter::Routed,
         Counter::Released,
         Counter::FailedEarly,
@@ -160,6 +162,7 @@ impl Counter {
         Counter::PeerPlacementsShared,
         Counter::PeerPlacementsLearned,
         Counter::PeerErrors,
+        Counter::PeerRequestsRefused,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -188,6 +191,7 @@ impl Counter {
             Counter::PeerPlacementsShared => "tokenaware_peer_placements_shared",
             Counter::PeerPlacementsLearned => "tokenaware_peer_placements_learned",
             Counter::PeerErrors => "tokenaware_peer_errors",
+            Counter::PeerRequestsRefused => "tokenaware_peer_requests_refused",
         }
     }
 

@@ -3,7 +3,8 @@
 
 use std::rc::Rc;
 
-use super::http::{DECISION, DESTINATION, DESTINATION_SERVED};
+use super::host::Level;
+use super::http::{DECISION, DESTINATION, DESTINATION_SERVED, PEER_TOKEN};
 use super::stats::endpoint_gauge_name;
 use super::testing::{Dispatched, FakeHost};
 use super::vm::Vm;
@@ -1345,17 +1346,33 @@ fn the_poller_keeps_each_servers_own_prefill_rate() {
     assert_eq!(debug["endpoints"][0]["serverPrefillTokensPerS"], 2_000);
 }
 
-const PEERS: &str = r#","peers":{"clusters":["gateway_b"],"intervalMs":100}"#;
+const PEER_SECRET: &str = "replicas-secret-0123";
+const PEERS: &str =
+    r#","peers":{"clusters":["gateway_b"],"intervalMs":100,"token":"replicas-secret-0123"}"#;
+
+/// A header of a dispatched call.
+fn header_of<'a>(c: &'a Dispatched, name: &str) -> &'a str {
+    &c.headers.iter().find(|(k, _)| k == name).unwrap().1
+}
 
 /// The `:path` of a dispatched call.
 fn path_of(c: &Dispatched) -> &str {
-    &c.headers.iter().find(|(k, _)| k == ":path").unwrap().1
+    header_of(c, ":path")
 }
 
-/// The peer path of `vm`'s process, asked from `since`: (status, body).
+/// The peer path of `vm`'s process, asked from `since` as a replica does: (status, body).
 fn ask_peer(h: &FakeHost, vm: &Rc<Vm>, since: u64) -> (u32, Vec<u8>) {
+    ask_peer_with(h, vm, since, Some(PEER_SECRET))
+}
+
+fn ask_peer_with(h: &FakeHost, vm: &Rc<Vm>, since: u64, token: Option<&str>) -> (u32, Vec<u8>) {
     h.sent.borrow_mut().clear();
     h.new_request(&format!("/tokenaware/peers?since={since}"), b"");
+    if let Some(t) = token {
+        h.request_headers
+            .borrow_mut()
+            .push((PEER_TOKEN.into(), t.as_bytes().to_vec()));
+    }
     let mut f = HttpFilter::new(Some(vm.clone()));
     assert_eq!(f.on_request_headers(h, true), Action::Pause);
     let sent = h.sent.borrow_mut().pop().unwrap();
@@ -1386,6 +1403,7 @@ fn a_replica_learns_where_its_peer_placed_a_prefix() {
     assert_eq!(calls[0].cluster, "gateway_b");
     let path = path_of(&calls[0]);
     assert_eq!(path, "/tokenaware/peers?since=0&ring=0");
+    assert_eq!(header_of(&calls[0], PEER_TOKEN), PEER_SECRET);
     let (status, body) = ask_peer(&ha, &a, 0);
     assert_eq!(status, 200);
     assert!(!String::from_utf8_lossy(&body).contains("tenant"));
@@ -1454,6 +1472,57 @@ fn a_peer_answer_that_is_not_one_teaches_nothing() {
     r.on_call_response(&h, calls[0].token, 3, unknown.len());
     assert_eq!(h.metric("tokenaware_peer_polls_ok"), 1);
     assert_eq!(h.metric("tokenaware_peer_placements_learned"), 0);
+}
+
+#[test]
+fn only_a_replica_with_the_token_reads_the_placements() {
+    let h = FakeHost::new();
+    let a = vm(&h, PEERS);
+    let sys = "You are the assistant of one tenant. ".repeat(100);
+    let (mut f, _) = send(&h, &a, CHAT, &chat(&sys, "first question"));
+    respond(&h, &mut f, b"{}");
+    assert_eq!(h.metric("tokenaware_peer_placements_shared"), 1);
+    let wrong = "replicas-secret-0124";
+    for token in [None, Some(wrong), Some(""), Some("replicas-secret-01234")] {
+        let (status, body) = ask_peer_with(&h, &a, 0, token);
+        assert_eq!(status, 403, "{token:?}");
+        assert!(!String::from_utf8_lossy(&body).contains("placements"));
+    }
+    assert_eq!(h.metric("tokenaware_peer_requests_refused"), 4);
+    let (status, body) = ask_peer(&h, &a, 0);
+    assert_eq!(status, 200);
+    assert!(String::from_utf8_lossy(&body).contains("placements"));
+    // The token never reaches the log.
+    assert!(h
+        .logs
+        .borrow()
+        .iter()
+        .all(|(_, m)| !m.contains(PEER_SECRET)));
+}
+
+#[test]
+fn a_peer_that_refuses_the_token_is_named_in_the_log() {
+    let h = FakeHost::new();
+    let mut r = root(&h, PEERS, 2);
+    for _ in 0..3 {
+        h.now.set(h.now.get() + 200);
+        r.on_tick(&h);
+        let calls = h.take_dispatched();
+        h.set_call_answer(Some(403), br#"{"error":"forbidden"}"#);
+        r.on_call_response(&h, calls[0].token, 3, 21);
+    }
+    assert_eq!(h.metric("tokenaware_peer_polls_failed"), 3);
+    let warned: Vec<String> = h
+        .logs
+        .borrow()
+        .iter()
+        .filter(|(l, m)| *l == Level::Warn && m.contains("gateway_b"))
+        .map(|(_, m)| m.clone())
+        .collect();
+    // The first refusal and the second (powers of two), not the third.
+    assert_eq!(warned.len(), 2, "{warned:?}");
+    assert!(warned[0].contains("peers.token"));
+    assert!(!warned[0].contains(PEER_SECRET));
 }
 
 #[test]

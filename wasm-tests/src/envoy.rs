@@ -134,6 +134,9 @@ pub struct GatewayConfig {
     /// Extra STATIC clusters of one host each, (name, `ip:port`): the filter's `peers`
     /// (other gateway replicas).
     pub peer_clusters: Vec<(String, String)>,
+    /// Environment variables the wasm VM sees, (name, value)
+    /// (`vm_config.environment_variables.key_values`), e.g. the variable `peers.tokenEnv` names.
+    pub vm_env: Vec<(String, String)>,
 }
 
 impl GatewayConfig {
@@ -153,6 +156,7 @@ impl GatewayConfig {
             dynamic_endpoints: false,
             strip_client_destination: false,
             peer_clusters: Vec::new(),
+            vm_env: Vec::new(),
         }
     }
 
@@ -217,6 +221,7 @@ impl GatewayConfig {
         };
         let out = apply_lb(out, self.lb)?;
         let out = apply_failure_policy(out, &self.failure_policy)?;
+        let out = apply_vm_env(out, &self.vm_env)?;
         let out = match self.admin_cluster_port {
             Some(p) => {
                 let (head, cluster) = out
@@ -243,6 +248,28 @@ impl GatewayConfig {
             .replace("${WASM_FILE}", &wasm_file)
             .replace("${PLUGIN_CONFIG}", &plugin_config))
     }
+}
+
+/// Gives the wasm VM `env` as environment variables.
+fn apply_vm_env(yaml: String, env: &[(String, String)]) -> anyhow::Result<String> {
+    const RUNTIME: &str = "                  runtime: envoy.wasm.runtime.v8\n";
+    if env.is_empty() || !yaml.contains(RUNTIME) {
+        return Ok(yaml);
+    }
+    let mut block = format!(
+        "{RUNTIME}                  environment_variables:\n                    key_values:\n"
+    );
+    for (k, v) in env {
+        anyhow::ensure!(
+            !k.is_empty() && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_'),
+            "environment variable name {k:?}"
+        );
+        block.push_str(&format!(
+            "                      {k}: '{}'\n",
+            v.replace('\'', "''")
+        ));
+    }
+    Ok(yaml.replacen(RUNTIME, &block, 1))
 }
 
 /// Rewrites the template's round-robin fallback into `lb` (and, for the ring hash, adds a
@@ -701,6 +728,11 @@ mod tests {
         assert!(w.contains("envoy.filters.http.wasm"));
         assert!(w.contains(r#"value: '{"a":"it''s"}'"#));
         assert!(w.contains("allow_on_headers_stop_iteration: true"));
+        assert!(!w.contains("environment_variables"));
+        let mut e = base.clone().with_wasm(&wasm, "{}");
+        e.vm_env = vec![("PEER_TOKEN".into(), "it's-a-secret".into())];
+        let e = e.render().unwrap();
+        assert!(e.contains("environment_variables:\n                    key_values:\n                      PEER_TOKEN: 'it''s-a-secret'\n"));
         assert!(!w.contains("header_mutation") && !w.contains("#@"));
         let mut strip = base.with_wasm(&wasm, "{}");
         strip.strip_client_destination = true;

@@ -779,12 +779,19 @@ async fn replicas_named_as_peers_send_a_prefix_where_the_other_placed_it() {
     let eps = fleet.endpoints();
     let ports = wasm_tests::ports::free_ports(2).unwrap();
     let mut envoys = Vec::new();
-    for (me, other) in [(ports[0], ports[1]), (ports[1], ports[0])] {
-        let peers = r#""peers":{"clusters":["peer"],"intervalMs":100}"#;
+    // One replica has the token inline, the other reads it from its VM's environment.
+    let token = "e2e-replicas-token-7c1d";
+    let inline = format!(r#""peers":{{"clusters":["peer"],"intervalMs":100,"token":"{token}"}}"#);
+    let by_env = r#""peers":{"clusters":["peer"],"intervalMs":100,"tokenEnv":"PEER_TOKEN"}"#;
+    for (me, other, peers) in [
+        (ports[0], ports[1], &inline[..]),
+        (ports[1], ports[0], by_env),
+    ] {
         let mut cfg =
             GatewayConfig::new(eps.clone()).with_wasm(wasm_path(), plugin_config(&eps, peers));
         cfg.listen_port = me;
         cfg.peer_clusters = vec![("peer".into(), format!("127.0.0.1:{other}"))];
+        cfg.vm_env = vec![("PEER_TOKEN".into(), token.into())];
         envoys.push(spawn_envoy(cfg).await);
     }
     let http = client();
@@ -819,9 +826,24 @@ async fn replicas_named_as_peers_send_a_prefix_where_the_other_placed_it() {
         );
         assert_eq!(second.endpoint, first.endpoint, "group {g}");
     }
+    // A client without the token reads nothing.
+    let refused = http
+        .get(a.url("/tokenaware/peers?since=0"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 403);
+    assert!(!refused.text().await.unwrap().contains("placements"));
+    assert_eq!(
+        a.stat("wasmcustom.tokenaware_peer_requests_refused")
+            .unwrap()
+            .unwrap_or(0),
+        1
+    );
     // What a peer reads: addresses and hashes, never prompt text.
     let text = http
         .get(a.url("/tokenaware/peers?since=0"))
+        .header("x-tokenaware-peer-token", token)
         .send()
         .await
         .unwrap()
@@ -857,7 +879,7 @@ async fn a_peer_that_is_down_only_counts_failed_polls() {
         return;
     }
     let dead = wasm_tests::ports::free_ports(1).unwrap()[0];
-    let peers = r#""peers":{"clusters":["peer"],"intervalMs":50,"timeoutMs":200}"#;
+    let peers = r#""peers":{"clusters":["peer"],"intervalMs":50,"timeoutMs":200,"token":"e2e-replicas-token-7c1d"}"#;
     let gw = start_with(
         fleet(3, 0.01),
         |eps| plugin_config(eps, peers),

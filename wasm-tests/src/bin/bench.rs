@@ -572,6 +572,8 @@ fn start_smg(eps: &[String]) -> anyhow::Result<SmgProcess> {
 struct PeerMesh {
     listen_port: u16,
     others: Vec<u16>,
+    /// The replicas' shared secret (`peers.tokenEnv`): one per mesh.
+    token: String,
 }
 
 impl PeerMesh {
@@ -584,6 +586,14 @@ impl PeerMesh {
                 .filter(|&(j, _)| j != i)
                 .map(|(_, &p)| p)
                 .collect(),
+            token: format!(
+                "bench-mesh-{}",
+                ports
+                    .iter()
+                    .map(u16::to_string)
+                    .collect::<Vec<_>>()
+                    .join("-")
+            ),
         })
     }
 
@@ -601,9 +611,16 @@ fn with_peers(cfg: String, mesh: &PeerMesh, interval_ms: u64) -> String {
         return cfg;
     };
     let clusters: Vec<String> = mesh.clusters().into_iter().map(|(n, _)| n).collect();
-    v["peers"] = json!({"clusters": clusters, "intervalMs": interval_ms});
+    v["peers"] = json!({
+        "clusters": clusters,
+        "intervalMs": interval_ms,
+        "tokenEnv": PEER_TOKEN_ENV,
+    });
     v.to_string()
 }
+
+/// The variable that holds the replicas' shared secret, as a deployment would pass it.
+const PEER_TOKEN_ENV: &str = "TOKENAWARE_PEER_TOKEN";
 
 fn start_target(
     name: &str,
@@ -617,6 +634,7 @@ fn start_target(
             cfg.listen_port = m.listen_port;
             cfg.peer_clusters = m.clusters();
             w.configuration = with_peers(std::mem::take(&mut w.configuration), m, ms);
+            cfg.vm_env = vec![(PEER_TOKEN_ENV.into(), m.token.clone())];
         }
         Envoy::start(cfg).map(|e| Gateway::Envoy(Box::new(e)))
     };
