@@ -243,33 +243,66 @@ fn decode(b: &[u8]) -> Option<Placement> {
     })
 }
 
-#[derive(Serialize, Deserialize)]
-struct WirePlacement {
-    endpoint: String,
-    /// Block hashes, 16 hex digits each.
-    blocks: String,
+/// A placement as written: borrows the decoded one, and writes its hashes straight into the
+/// JSON (an answer is up to about 1 MiB; no second copy of it is built first).
+#[derive(Serialize)]
+struct WirePlacementOut<'a> {
+    endpoint: &'a str,
+    blocks: HexBlocks<'a>,
 }
 
-#[derive(Serialize, Deserialize)]
-struct WireBatch {
+/// Block hashes, 16 hex digits each, as one string.
+struct HexBlocks<'a>(&'a [u64]);
+
+impl std::fmt::Display for HexBlocks<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.iter().try_for_each(|h| write!(f, "{h:016x}"))
+    }
+}
+
+impl Serialize for HexBlocks<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+#[derive(Serialize)]
+struct WireBatchOut<'a> {
+    next: u64,
+    ring: u64,
+    placements: Vec<WirePlacementOut<'a>>,
+}
+
+/// A placement as read: the hashes borrowed from the answer's bytes when they can be (a
+/// peer writes them unescaped).
+#[derive(Deserialize)]
+struct WirePlacementIn<'a> {
+    endpoint: String,
+    #[serde(borrow)]
+    blocks: std::borrow::Cow<'a, str>,
+}
+
+#[derive(Deserialize)]
+struct WireBatchIn<'a> {
     next: u64,
     #[serde(default)]
     ring: u64,
-    placements: Vec<WirePlacement>,
+    #[serde(borrow)]
+    placements: Vec<WirePlacementIn<'a>>,
 }
 
 impl PlacementBatch {
     /// The answer to a peer's poll, as JSON.
     pub fn to_json(&self) -> Vec<u8> {
-        let wire = WireBatch {
+        let wire = WireBatchOut {
             next: self.next,
             ring: self.ring,
             placements: self
                 .placements
                 .iter()
-                .map(|p| WirePlacement {
-                    endpoint: p.address.clone(),
-                    blocks: p.blocks.iter().map(|h| format!("{h:016x}")).collect(),
+                .map(|p| WirePlacementOut {
+                    endpoint: &p.address,
+                    blocks: HexBlocks(&p.blocks),
                 })
                 .collect(),
         };
@@ -279,7 +312,7 @@ impl PlacementBatch {
     /// A peer's answer; `None` when it is not one. Placements whose hashes do not parse are
     /// dropped, and each keeps at most `MAX_SHARED_BLOCKS` blocks.
     pub fn from_json(body: &[u8]) -> Option<PlacementBatch> {
-        let wire: WireBatch = serde_json::from_slice(body).ok()?;
+        let wire: WireBatchIn = serde_json::from_slice(body).ok()?;
         let placements = wire
             .placements
             .into_iter()
@@ -434,6 +467,25 @@ mod tests {
             "only the well-formed placement stays"
         );
         assert_eq!(b.placements[0].blocks, [255]);
+        // Hashes written with escapes still read (they cannot be borrowed as they stand).
+        let escaped =
+            br#"{"next":1,"placements":[{"endpoint":"a:1","blocks":"\u00300000000000000ff"}]}"#;
+        let b = PlacementBatch::from_json(escaped).unwrap();
+        assert_eq!(b.placements[0].blocks, [255]);
+        // The wire form is what it was: hashes as one string of 16 hex digits each.
+        let one = PlacementBatch {
+            next: 2,
+            ring: 7,
+            placements: vec![Placement {
+                seq: 1,
+                address: "a:1".into(),
+                blocks: vec![1, u64::MAX],
+            }],
+        };
+        assert_eq!(
+            String::from_utf8(one.to_json()).unwrap(),
+            r#"{"next":2,"ring":7,"placements":[{"endpoint":"a:1","blocks":"0000000000000001ffffffffffffffff"}]}"#
+        );
     }
 
     #[test]

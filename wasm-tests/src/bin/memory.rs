@@ -57,6 +57,10 @@ struct Args {
     /// Memory sample period during the soak.
     #[arg(long, default_value_t = 30)]
     sample_secs: u64,
+    /// Turn `peers` on, the filter Envoy named as its own peer: its placement ring fills
+    /// and it answers and reads its own polls (the most `peers` can hold).
+    #[arg(long)]
+    peers: bool,
 }
 
 const BLOCK_TOKENS: u64 = 16;
@@ -148,15 +152,26 @@ async fn main() -> anyhow::Result<()> {
     );
     let eps = wasm_tests::instant::start(args.endpoints).await?;
     let list: Vec<_> = eps.iter().map(|a| json!({ "address": a })).collect();
-    let plugin = json!({
+    let mut plugin = json!({
         "endpoints": list,
         "maxEndpoints": args.endpoints.max(64),
         "blockSizeTokens": BLOCK_TOKENS,
         "maxPrefixBlocks": MAX_BLOCKS,
         "kvCapacityTokens": args.kv_capacity_tokens,
-    })
-    .to_string();
-    let cfg = GatewayConfig::new(eps.clone()).with_wasm(&wasm, plugin);
+    });
+    let listen_port = wasm_tests::ports::free_ports(1)?[0];
+    if args.peers {
+        plugin["peers"] = json!({
+            "clusters": ["self_peer"],
+            "intervalMs": 100,
+            "token": "memory-self-peer-token",
+        });
+    }
+    let mut cfg = GatewayConfig::new(eps.clone()).with_wasm(&wasm, plugin.to_string());
+    cfg.listen_port = listen_port;
+    if args.peers {
+        cfg.peer_clusters = vec![("self_peer".into(), format!("127.0.0.1:{listen_port}"))];
+    }
     let plain = GatewayConfig::new(eps.clone());
     let (envoy, plain) =
         tokio::task::spawn_blocking(move || anyhow::Ok((Envoy::start(cfg)?, Envoy::start(plain)?)))
