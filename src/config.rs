@@ -175,8 +175,16 @@ pub struct MetricsConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PeersConfig {
-    /// One Envoy cluster per peer replica; each is polled at `path`.
+    /// One Envoy cluster per peer replica; each is polled at `path`. Or, instead:
+    #[serde(default)]
     pub clusters: Vec<String>,
+    /// One Envoy cluster whose hosts are all the replicas (this one among them), e.g. DNS
+    /// of a headless Service: its hosts are read from Envoy's admin `/clusters` through
+    /// `adminCluster`, and each is polled pinned by the override_host header.
+    #[serde(default)]
+    pub cluster: Option<String>,
+    #[serde(default)]
+    pub admin_cluster: Option<String>,
     /// The path this gateway answers peers' polls on, and polls them at.
     #[serde(default = "default_peers_path")]
     pub path: String,
@@ -583,18 +591,39 @@ impl Config {
         Ok(())
     }
 
+    /// Either a list of clusters, one a replica, or one cluster of all replicas read
+    /// through Envoy's admin.
+    fn validate_peer_clusters(&self, p: &PeersConfig) -> Result<(), ConfigError> {
+        match &p.cluster {
+            None if p.clusters.is_empty() || p.clusters.len() > MAX_PEERS => Err(err(
+                "peers.clusters",
+                format!("give 1 to {MAX_PEERS} clusters, or one `cluster` of all replicas"),
+            )),
+            None if p.clusters.iter().any(|c| c.is_empty()) => {
+                Err(err("peers.clusters", "a cluster name is empty"))
+            }
+            None if p.admin_cluster.is_some() => Err(err(
+                "peers.adminCluster",
+                "only with `cluster` (the hosts of `clusters` are not read)",
+            )),
+            None => Ok(()),
+            Some(_) if !p.clusters.is_empty() => Err(err(
+                "peers.cluster",
+                "give `clusters` or `cluster`, not both",
+            )),
+            Some(c) if c.is_empty() => Err(err("peers.cluster", "is empty")),
+            Some(_) if p.admin_cluster.as_deref().is_none_or(str::is_empty) => Err(err(
+                "peers.adminCluster",
+                "name the cluster that reaches Envoy's admin (to read `cluster`'s hosts)",
+            )),
+            Some(_) => Ok(()),
+        }
+    }
+
     fn validate_peers(&self, p: &PeersConfig) -> Result<(), ConfigError> {
         check_range("peers.intervalMs", p.interval_ms as f64, 10.0, 3.6e6)?;
         check_range("peers.timeoutMs", p.timeout_ms as f64, 1.0, 60_000.0)?;
-        if p.clusters.is_empty() || p.clusters.len() > MAX_PEERS {
-            return Err(err(
-                "peers.clusters",
-                format!("give 1 to {MAX_PEERS} clusters"),
-            ));
-        }
-        if p.clusters.iter().any(|c| c.is_empty()) {
-            return Err(err("peers.clusters", "a cluster name is empty"));
-        }
+        self.validate_peer_clusters(p)?;
         if !p.path.starts_with('/') || p.path.contains('?') {
             return Err(err("peers.path", "must start with '/' and have no query"));
         }
@@ -727,6 +756,16 @@ mod tests {
             (r#","maxTTFTPenaltyMs":-1"#, "maxTTFTPenaltyMs"),
             (r#","coldPlacementChoices":0"#, "coldPlacementChoices"),
             (r#","peers":{"clusters":[]}"#, "peers.clusters"),
+            (r#","peers":{}"#, "peers.clusters"),
+            (
+                r#","peers":{"clusters":["b"],"cluster":"all"}"#,
+                "peers.cluster",
+            ),
+            (r#","peers":{"cluster":"all"}"#, "peers.adminCluster"),
+            (
+                r#","peers":{"clusters":["b"],"adminCluster":"admin"}"#,
+                "peers.adminCluster",
+            ),
             (r#","peers":{"clusters":[""]}"#, "peers.clusters"),
             (
                 r#","peers":{"clusters":["b"],"intervalMs":0}"#,

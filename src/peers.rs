@@ -85,7 +85,8 @@ impl PlacementLog {
     }
 
     /// Adds a placement; returns its sequence number. `ring_seed` names the ring when this
-    /// is the process's first placement (any value that differs between restarts: the time).
+    /// is the process's first placement (any value that differs between processes and
+    /// restarts).
     pub fn record<S: SharedStore + ?Sized>(
         &self,
         s: &S,

@@ -375,7 +375,11 @@ impl Router {
         if chain.full_blocks().is_empty() {
             return Ok(false);
         }
-        log.record(s, address, chain.full_blocks(), routed.dispatch_ms)?;
+        // The ring's name must differ between processes (a replica that reads its own ring
+        // from a cluster of all replicas takes it for itself): the time and this VM's
+        // random sequence.
+        let ring_seed = xxhash_rust::xxh64::xxh64(&self.seq.to_le_bytes(), routed.dispatch_ms);
+        log.record(s, address, chain.full_blocks(), ring_seed)?;
         Ok(true)
     }
 

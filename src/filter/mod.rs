@@ -1,13 +1,14 @@
 //! The filter's request and root logic over a small `Host` trait, with no proxy-wasm import:
 //! it builds and is unit-tested natively (`testing::FakeHost`), and `wasm` binds it to
 //! proxy-wasm. `http` is one stream, `root` the configuration and the poller tick, `vm` what
-//! one VM keeps between requests, `stats` the Envoy stats, `memory` the VMs' memory gauges, `usage` reads response
+//! one VM keeps between requests, `stats` the Envoy stats, `memory` the VMs' memory gauges, `peering` whom `peers` asks, `usage` reads response
 //! usage, `bare` the yardstick of overhead runs.
 
 pub mod bare;
 pub mod host;
 pub mod http;
 pub mod memory;
+mod peering;
 pub mod root;
 pub mod stats;
 pub mod usage;

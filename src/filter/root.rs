@@ -6,8 +6,9 @@
 //! set and reconciles the table, (b) fetches each endpoint's `/metrics` through the model
 //! cluster with `x-gateway-destination-endpoint: ip:port`, so override_host sends the poll to
 //! that one endpoint, at most one poll in flight per endpoint, (c) with learning, writes each
-//! endpoint's learned KV capacity into the index (its share, capped by the fleet's), and (d)
-//! publishes each endpoint's in-flight tokens as a gauge. The table goes to shared data as
+//! endpoint's learned KV capacity into the index (its share, capped by the fleet's), (d)
+//! with `peers`, asks the other gateway replicas for their new placements (see `peering`),
+//! and (e) publishes each endpoint's in-flight tokens as a gauge. The table goes to shared data as
 //! JSON with CAS; every VM re-reads it when its version changes (see `vm`). Every VM, poller
 //! or not, also records its own linear memory on each tick (see `memory`).
 //!
@@ -33,14 +34,14 @@ use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 
 use super::host::{Host, Level, MetricKind};
-use super::http::{DESTINATION, PEER_TOKEN};
+use super::http::DESTINATION;
 use super::memory;
-use super::stats::{endpoint_gauge_name, Counter, FOREIGN_REQUESTS, SHARED_PREFIXES};
+use super::peering::{PeerPoller, PeerTarget};
+use super::stats::{endpoint_gauge_name, Counter, FOREIGN_REQUESTS, PEERS, SHARED_PREFIXES};
 use super::vm::Vm;
 use crate::config::{Config, ConfigError};
 use crate::endpoints::{Changes, EndpointTable, ServedWork};
 use crate::estimator::Estimate;
-use crate::peers::{PeerCursors, PlacementBatch};
 use crate::prometheus::{parse_metrics, ServerMetrics};
 use crate::store::{read_u64, update, write_u64, SharedStore, StoreError};
 
@@ -79,11 +80,13 @@ impl Lease {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Call {
+pub enum Call {
     Discovery,
     Metrics(String),
-    /// A peer replica's placements, by its cluster's place in `peers.clusters`.
-    Peer(usize),
+    /// A peer replica's placements.
+    Peer(PeerTarget),
+    /// Admin's `/clusters`, for the hosts of `peers.cluster`.
+    PeerMembers,
 }
 
 pub struct Root {
@@ -104,11 +107,8 @@ pub struct Root {
     gauges: HashMap<String, u32>,
     /// This configuration's generation (see the module docs).
     generation: u64,
-    next_peers_ms: u64,
-    /// Polls peers refused for a token that differs (for the log's rate limit).
-    peer_refusals: u64,
-    /// Where each peer's next poll asks from (in shared data: see `peers::PeerCursors`).
-    peer_cursors: PeerCursors,
+    /// Whom `peers` asks, and from where (in shared data: see `peers::PeerCursors`).
+    peers: PeerPoller,
 }
 
 impl Root {
@@ -140,9 +140,8 @@ impl Root {
         let vm = Rc::new(Vm::new(h, cfg, id));
         let (generation, newest) =
             claim_generation(h, &vm.keys.config, xxhash_rust::xxh3::xxh3_64(bytes));
-        let peer_cursors = PeerCursors::new(&vm.cfg.namespace);
         let root = Root {
-            peer_cursors,
+            peers: PeerPoller::new(&vm.cfg.namespace),
             generation,
             vm,
             calls: HashMap::new(),
@@ -153,8 +152,6 @@ impl Root {
             envoy_down: HashSet::new(),
             served: HashMap::new(),
             gauges: HashMap::new(),
-            next_peers_ms: 0,
-            peer_refusals: 0,
         };
         if newest && root.vm.cfg.discovery.is_none() {
             root.adopt_static_list(h);
@@ -239,7 +236,7 @@ impl Root {
         self.expire_calls(now);
         self.discover(h, now);
         self.poll_metrics(h, now);
-        self.poll_peers(h, now);
+        self.peers.poll(h, &self.vm, now, &mut self.calls);
         self.sync_learned_capacities(h);
         self.record_gauges(h, now);
     }
@@ -315,98 +312,6 @@ impl Root {
         }
     }
 
-    /// Asks each peer replica for the placements it made since the last answer; at most one
-    /// poll in flight per peer.
-    fn poll_peers<H: Host>(&mut self, h: &H, now: u64) {
-        let Some(p) = self.vm.cfg.peers.clone() else {
-            return;
-        };
-        if now < self.next_peers_ms {
-            return;
-        }
-        self.next_peers_ms = now + p.interval_ms;
-        for (i, cluster) in p.clusters.iter().enumerate() {
-            if self.calls.values().any(|(c, _)| *c == Call::Peer(i)) {
-                continue;
-            }
-            let Ok(from) = self.peer_cursors.get(h, i, cluster) else {
-                self.vm.stats.inc(h, Counter::PeerErrors);
-                continue;
-            };
-            let path = format!("{}?since={}&ring={}", p.path, from.next, from.ring);
-            let token = p.token.as_ref().map_or("", |t| t.as_str());
-            let hdrs = [
-                (":method", "GET"),
-                (":path", path.as_str()),
-                (":authority", "tokenaware-peer"),
-                (PEER_TOKEN, token),
-            ];
-            match h.dispatch(cluster, &hdrs, p.timeout_ms) {
-                Ok(token) => {
-                    self.calls.insert(token, (Call::Peer(i), now));
-                }
-                Err(_) => self.vm.stats.inc(h, Counter::PeerPollsFailed),
-            }
-        }
-    }
-
-    /// A peer that refuses the poll (403) holds another token: say so in the log (the
-    /// first time, then every power of two), since only the operator can mend it.
-    fn peer_refused<H: Host>(&mut self, h: &H, peer: usize) {
-        if !matches!(h.call_response_header(":status"), Ok(Some(s)) if s == b"403") {
-            return;
-        }
-        self.peer_refusals = self.peer_refusals.wrapping_add(1);
-        if !self.peer_refusals.is_power_of_two() {
-            return;
-        }
-        let cluster = self
-            .vm
-            .cfg
-            .peers
-            .as_ref()
-            .and_then(|p| p.clusters.get(peer));
-        h.log(
-            Level::Warn,
-            &format!(
-                "tokenaware: peer cluster {} refused a poll (403, #{}): its peers.token is not this gateway's",
-                cluster.map_or("?", String::as_str),
-                self.peer_refusals
-            ),
-        );
-    }
-
-    /// A peer's answer: its placements go into this gateway's index, and the next poll
-    /// asks from where this one ended.
-    fn peer_answered<H: Host>(&mut self, h: &H, peer: usize, body: Option<Vec<u8>>) {
-        let Some(batch) = body.as_deref().and_then(PlacementBatch::from_json) else {
-            return self.vm.stats.inc(h, Counter::PeerPollsFailed);
-        };
-        self.vm.stats.inc(h, Counter::PeerPollsOk);
-        let now = h.now_ms().unwrap_or(0);
-        let learned = match self.vm.router.try_borrow() {
-            Ok(r) => r.learn_placements(h, &self.vm.table(h).endpoints, &batch, now),
-            Err(_) => return,
-        };
-        match learned {
-            Ok(n) => self
-                .vm
-                .stats
-                .add(h, Counter::PeerPlacementsLearned, n as u64),
-            Err(_) => return self.vm.stats.inc(h, Counter::PeerErrors),
-        }
-        let cluster = self
-            .vm
-            .cfg
-            .peers
-            .as_ref()
-            .and_then(|p| p.clusters.get(peer));
-        let saved = cluster.map(|c| self.peer_cursors.set(h, peer, c, batch.cursor()));
-        if matches!(saved, Some(Err(_))) {
-            self.vm.stats.inc(h, Counter::PeerErrors);
-        }
-    }
-
     /// The answer to a call this root made; `num_headers == 0` means it failed (timeout,
     /// reset, connect failure).
     pub fn on_call_response<H: Host>(
@@ -437,21 +342,34 @@ impl Root {
                     Err(_) => self.poll_failed(h, &address),
                 }
             }
-            Call::Peer(peer) => {
-                if num_headers > 0 && !ok {
-                    self.peer_refused(h, peer);
-                }
+            Call::Peer(target) => {
+                let status = match num_headers {
+                    0 => 0,
+                    _ => call_status(h),
+                };
                 let body = match ok {
                     true => h.call_response_body(body.min(MAX_PEER_BYTES)).ok(),
                     false => None,
                 };
-                self.peer_answered(h, peer, body);
+                self.peers.answered(h, &self.vm, target, status, body);
+            }
+            Call::PeerMembers => {
+                let body = match ok {
+                    true => h.call_response_body(body.min(MAX_CLUSTERS_BYTES)).ok(),
+                    false => None,
+                };
+                if let Some(p) = self.vm.cfg.peers.as_ref() {
+                    self.peers.members_answered(p, body.as_deref());
+                }
             }
             Call::Discovery => {
                 let found = if ok {
                     h.call_response_body(body.min(MAX_CLUSTERS_BYTES))
                         .ok()
-                        .and_then(|b| self.parse_clusters(&b))
+                        .and_then(|b| {
+                            let want = &self.vm.cfg.discovery.as_ref()?.model_cluster;
+                            cluster_hosts(&b, want)
+                        })
                 } else {
                     None
                 };
@@ -680,36 +598,6 @@ impl Root {
         }
     }
 
-    /// Hosts of the model cluster in admin `/clusters?format=json`, with Envoy's health.
-    fn parse_clusters(&self, body: &[u8]) -> Option<Vec<(String, bool)>> {
-        let want = &self.vm.cfg.discovery.as_ref()?.model_cluster;
-        let v: serde_json::Value = serde_json::from_slice(body).ok()?;
-        let cluster = v
-            .get("cluster_statuses")?
-            .as_array()?
-            .iter()
-            .find(|c| c.get("name").and_then(|n| n.as_str()) == Some(want.as_str()))?;
-        let Some(hosts) = cluster.get("host_statuses").and_then(|h| h.as_array()) else {
-            return Some(Vec::new());
-        };
-        Some(
-            hosts
-                .iter()
-                .filter_map(|h| {
-                    let a = h.get("address")?.get("socket_address")?;
-                    let ip = a.get("address")?.as_str()?;
-                    let port = a.get("port_value")?.as_u64()?;
-                    let addr = if ip.contains(':') {
-                        format!("[{ip}]:{port}")
-                    } else {
-                        format!("{ip}:{port}")
-                    };
-                    Some((addr, host_healthy(h.get("health_status"))))
-                })
-                .collect(),
-        )
-    }
-
     /// Read-modify-write of the shared table (CAS), then a version bump so VMs re-read it.
     fn update_table<H: Host, T>(
         &self,
@@ -742,6 +630,10 @@ impl Root {
         let Ok(router) = vm.router.try_borrow() else {
             return;
         };
+        let asked = vm.cfg.peers.as_ref().map(|p| self.peers.targets(p).len());
+        if let (Some(n), Some(id)) = (asked, self.gauge(h, PEERS.into())) {
+            let _ = h.record_metric(id, n as u64);
+        }
         let foreign = (table.foreign.share() * 100.0).round() as u64;
         if let Some(id) = self.gauge(h, FOREIGN_REQUESTS.into()) {
             let _ = h.record_metric(id, foreign);
@@ -806,6 +698,44 @@ fn claim_generation<S: SharedStore + ?Sized>(s: &S, key: &str, hash: u64) -> (u6
         },
         Err(_) => (0, false),
     }
+}
+
+/// The HTTP status of a call's answer; 0 when it has none or it does not parse.
+fn call_status<H: Host>(h: &H) -> u32 {
+    h.call_response_header(":status")
+        .ok()
+        .flatten()
+        .and_then(|v| std::str::from_utf8(&v).ok()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Hosts of cluster `want` in admin `/clusters?format=json`, with Envoy's health.
+pub(super) fn cluster_hosts(body: &[u8], want: &str) -> Option<Vec<(String, bool)>> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let cluster = v
+        .get("cluster_statuses")?
+        .as_array()?
+        .iter()
+        .find(|c| c.get("name").and_then(|n| n.as_str()) == Some(want))?;
+    let Some(hosts) = cluster.get("host_statuses").and_then(|h| h.as_array()) else {
+        return Some(Vec::new());
+    };
+    Some(
+        hosts
+            .iter()
+            .filter_map(|h| {
+                let a = h.get("address")?.get("socket_address")?;
+                let ip = a.get("address")?.as_str()?;
+                let port = a.get("port_value")?.as_u64()?;
+                let addr = if ip.contains(':') {
+                    format!("[{ip}]:{port}")
+                } else {
+                    format!("{ip}:{port}")
+                };
+                Some((addr, host_healthy(h.get("health_status"))))
+            })
+            .collect(),
+    )
 }
 
 /// Envoy's view of one host (`health_status` in admin `/clusters?format=json`).

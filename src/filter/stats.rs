@@ -216,6 +216,8 @@ pub const FOREIGN_REQUESTS: &str = "tokenaware_foreign_requests_pct";
 /// The share of recent cold placements whose answer found the prompt cached (another
 /// replica had placed it), in per cent; counted only while other senders are seen.
 pub const SHARED_PREFIXES: &str = "tokenaware_cold_found_cached_pct";
+/// With `peers`: the replicas this gateway asks now (itself left out).
+pub const PEERS: &str = "tokenaware_peers";
 
 /// Name of the per-endpoint in-flight tokens gauge.
 pub fn endpoint_gauge_name(slot: u16) -> String {

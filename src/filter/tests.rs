@@ -1526,6 +1526,74 @@ fn a_peer_that_refuses_the_token_is_named_in_the_log() {
 }
 
 #[test]
+fn replicas_read_from_one_cluster_are_each_asked_and_this_one_is_left_out() {
+    let peers = format!(
+        r#","peers":{{"cluster":"gateways","adminCluster":"admin","intervalMs":100,"token":"{PEER_SECRET}"}}"#
+    );
+    let (ha, hb) = (FakeHost::new(), FakeHost::new());
+    let mut ra = root(&ha, &peers, 2);
+    let a = ra.vm();
+    let b = vm(&hb, &peers);
+    // Each process has placed a prefix, so each has a ring.
+    let sys = |who: &str| format!("You are the assistant of tenant {who}. ").repeat(100);
+    for (h, v, who) in [(&ha, &a, "a"), (&hb, &b, "b")] {
+        let (mut f, _) = send(h, v, CHAT, &chat(&sys(who), "q"));
+        respond(h, &mut f, b"{}");
+    }
+    // First tick: the cluster's hosts are read from admin; no replica is known yet.
+    ra.on_tick(&ha);
+    let calls = ha.take_dispatched();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(
+        (calls[0].cluster.as_str(), path_of(&calls[0])),
+        ("admin", "/clusters?format=json")
+    );
+    let hosts: Vec<serde_json::Value> = [1, 2]
+        .iter()
+        .map(|i| serde_json::json!({"address":{"socket_address":{"address":format!("10.1.0.{i}"),"port_value":10000}}}))
+        .collect();
+    let body = serde_json::json!({"cluster_statuses":[{"name":"gateways","host_statuses":hosts}]})
+        .to_string();
+    ha.set_call_answer(Some(200), body.as_bytes());
+    ra.on_call_response(&ha, calls[0].token, 4, body.len());
+    // Next tick: each host is asked through the one cluster, pinned by the override header.
+    ha.now.set(ha.now.get() + 200);
+    ra.on_tick(&ha);
+    let calls = ha.take_dispatched();
+    assert_eq!(calls.len(), 2);
+    let pinned: Vec<&str> = calls.iter().map(|c| header_of(c, DESTINATION)).collect();
+    assert_eq!(pinned, ["10.1.0.1:10000", "10.1.0.2:10000"]);
+    assert!(calls.iter().all(|c| c.cluster == "gateways"));
+    assert!(calls
+        .iter()
+        .all(|c| header_of(c, PEER_TOKEN) == PEER_SECRET));
+    // 10.1.0.1 is A itself (its own ring comes back); 10.1.0.2 is B.
+    let (_, own) = ask_peer(&ha, &a, 0);
+    let (_, theirs) = ask_peer(&hb, &b, 0);
+    for (c, answer) in calls.iter().zip([own, theirs]) {
+        ha.set_call_answer(Some(200), &answer);
+        ra.on_call_response(&ha, c.token, 3, answer.len());
+    }
+    assert_eq!(ha.metric("tokenaware_peer_placements_learned"), 1);
+    // From now on only B is asked, from where its answer ended.
+    ha.now.set(ha.now.get() + 200);
+    ra.on_tick(&ha);
+    let calls = ha.take_dispatched();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(header_of(&calls[0], DESTINATION), "10.1.0.2:10000");
+    assert!(
+        path_of(&calls[0]).contains("since=1&"),
+        "{}",
+        path_of(&calls[0])
+    );
+    assert_eq!(ha.metric("tokenaware_peers"), 1);
+    // B's prefix is warm on A where B put it.
+    let (mut f, _) = send(&ha, &a, CHAT, &chat(&sys("b"), "another"));
+    assert_eq!(ha.metric("tokenaware_decisions_sticky"), 1);
+    respond(&ha, &mut f, b"{}");
+}
+
+#[test]
 fn the_peer_path_is_off_unless_configured() {
     let h = FakeHost::new();
     let vm = vm(&h, "");

@@ -137,6 +137,9 @@ pub struct GatewayConfig {
     /// Environment variables the wasm VM sees, (name, value)
     /// (`vm_config.environment_variables.key_values`), e.g. the variable `peers.tokenEnv` names.
     pub vm_env: Vec<(String, String)>,
+    /// One STATIC cluster of several hosts, (name, `ip:port`s), balanced by override_host
+    /// on `x-gateway-destination-endpoint`: the filter's `peers.cluster` (all replicas).
+    pub peer_group: Option<(String, Vec<String>)>,
 }
 
 impl GatewayConfig {
@@ -157,6 +160,7 @@ impl GatewayConfig {
             strip_client_destination: false,
             peer_clusters: Vec::new(),
             vm_env: Vec::new(),
+            peer_group: None,
         }
     }
 
@@ -241,6 +245,12 @@ impl GatewayConfig {
                 lb_endpoints(std::slice::from_ref(address), 8)?
             ));
         }
+        if let Some((name, hosts)) = &self.peer_group {
+            out.push_str(&format!(
+                "  - name: {name}\n    type: STATIC\n    connect_timeout: 1s\n{OVERRIDE_HOST_LB}    load_assignment:\n      cluster_name: {name}\n      endpoints:\n      - lb_endpoints:\n{}",
+                lb_endpoints(hosts, 8)?
+            ));
+        }
         Ok(out
             .replace("${LISTEN_PORT}", &self.listen_port.to_string())
             .replace("${ADMIN_PORT}", &self.admin_port.to_string())
@@ -249,6 +259,24 @@ impl GatewayConfig {
             .replace("${PLUGIN_CONFIG}", &plugin_config))
     }
 }
+
+/// A cluster's load balancing by the host named in `x-gateway-destination-endpoint`, round
+/// robin when none is named (as the template's `models` cluster).
+const OVERRIDE_HOST_LB: &str = r#"    load_balancing_policy:
+      policies:
+      - typed_extension_config:
+          name: envoy.load_balancing_policies.override_host
+          typed_config:
+            "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+            override_host_sources:
+            - header: x-gateway-destination-endpoint
+            fallback_policy:
+              policies:
+              - typed_extension_config:
+                  name: envoy.load_balancing_policies.round_robin
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin
+"#;
 
 /// Gives the wasm VM `env` as environment variables.
 fn apply_vm_env(yaml: String, env: &[(String, String)]) -> anyhow::Result<String> {

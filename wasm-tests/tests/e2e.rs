@@ -872,6 +872,73 @@ async fn replicas_named_as_peers_send_a_prefix_where_the_other_placed_it() {
     drop(fleet);
 }
 
+/// Replicas named as the hosts of one cluster (as DNS of a headless Service gives them):
+/// each reads the hosts from its admin, asks the others pinned by the override header,
+/// and leaves itself out once its own ring comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replicas_read_from_one_cluster_learn_each_others_placements() {
+    if !have_envoy() {
+        return;
+    }
+    let fleet = Fleet::start_on_free_ports(fleet(4, 0.01)).unwrap();
+    let eps = fleet.endpoints();
+    let ports = wasm_tests::ports::free_ports(2).unwrap();
+    let replicas: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let peers = r#""peers":{"cluster":"replicas","adminCluster":"admin","intervalMs":100,"token":"e2e-replicas-token-7c1d"}"#;
+    let mut envoys = Vec::new();
+    for &me in &ports {
+        let mut cfg =
+            GatewayConfig::new(eps.clone()).with_wasm(wasm_path(), plugin_config(&eps, peers));
+        cfg.listen_port = me;
+        cfg.peer_group = Some(("replicas".into(), replicas.clone()));
+        envoys.push(spawn_envoy(cfg).await);
+    }
+    let http = client();
+    let post = |e: &Envoy, body: String| {
+        let req = http
+            .post(e.url(CHAT))
+            .header("content-type", "application/json")
+            .body(body);
+        async move { answer(req.send().await.unwrap()).await }
+    };
+    let stat = |e: &Envoy, n: &str| {
+        e.stat(&format!("wasmcustom.tokenaware_{n}"))
+            .unwrap()
+            .unwrap_or(0)
+    };
+    let (a, b) = (&envoys[0], &envoys[1]);
+    for (g, (from, to)) in [(a, b), (b, a)].into_iter().enumerate() {
+        let first = post(from, chat(&system(g, 40_000), "q0")).await;
+        assert!(first.decision.contains("reason=cold"), "{}", first.decision);
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while stat(to, "peer_placements_learned") < 1 {
+            assert!(Instant::now() < deadline, "group {g} never learned");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let second = post(to, chat(&system(g, 40_000), "q1")).await;
+        assert!(
+            second.decision.contains("reason=sticky"),
+            "{}",
+            second.decision
+        );
+        assert_eq!(second.endpoint, first.endpoint, "group {g}");
+    }
+    // Each has placed a prefix of its own, so each has found itself among the hosts.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while stat(a, "peers") != 1 || stat(b, "peers") != 1 {
+        assert!(Instant::now() < deadline, "a replica still asks itself");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Polls fail only while the other replica was still starting.
+    let failed = |e| stat(e, "peer_polls_failed");
+    let before = failed(a) + failed(b);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(failed(a) + failed(b), before);
+    assert!(stat(a, "peer_polls_ok") + stat(b, "peer_polls_ok") >= 10);
+    drop(envoys);
+    drop(fleet);
+}
+
 /// A peer that is down costs nothing but counted failed polls: requests route as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_peer_that_is_down_only_counts_failed_polls() {

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use tokenaware::config::{Config, PRESETS};
 use tokenaware::filter::stats::{
-    endpoint_gauge_name, Counter, Fallback, FOREIGN_REQUESTS, HIT_RATIO, SHARED_PREFIXES,
+    endpoint_gauge_name, Counter, Fallback, FOREIGN_REQUESTS, HIT_RATIO, PEERS, SHARED_PREFIXES,
     TOKEN_ESTIMATE, VMS, VM_MEMORY, VM_MEMORY_MAX,
 };
 use tokenaware::policy::Reason;
@@ -126,6 +126,7 @@ fn every_stat_is_in_the_stats_table() {
             VMS,
             FOREIGN_REQUESTS,
             SHARED_PREFIXES,
+            PEERS,
         ]
         .map(str::to_string),
     );

@@ -114,6 +114,11 @@ struct Args {
     peers: bool,
     #[arg(long, default_value_t = 250)]
     peers_interval_ms: u64,
+    /// With `--peers`: name the gateways as the hosts of one cluster of all of them
+    /// (`peers.cluster`, read from Envoy's admin; each finds itself among them) instead of
+    /// one cluster per other gateway.
+    #[arg(long)]
+    peers_one_cluster: bool,
     /// Output directory.
     #[arg(long, default_value = "target/bench")]
     out_dir: PathBuf,
@@ -186,6 +191,8 @@ struct Profile {
     deal: Deal,
     /// `--peers`: the gateways' poll interval of each other's placements, ms.
     peers_interval_ms: Option<u64>,
+    /// `--peers-one-cluster`.
+    peers_one_cluster: bool,
 }
 
 fn profile(kind: WorkloadKind, quick: bool) -> Profile {
@@ -243,6 +250,7 @@ fn profile(kind: WorkloadKind, quick: bool) -> Profile {
         groups: SEED_GROUPS,
         deal: Deal::Alternate,
         peers_interval_ms: None,
+        peers_one_cluster: false,
     }
 }
 
@@ -597,6 +605,14 @@ impl PeerMesh {
         })
     }
 
+    /// Every gateway's address, this one's among them.
+    fn all(&self) -> Vec<String> {
+        let mut ports: Vec<u16> = self.others.clone();
+        ports.push(self.listen_port);
+        ports.sort_unstable();
+        ports.iter().map(|p| format!("127.0.0.1:{p}")).collect()
+    }
+
     fn clusters(&self) -> Vec<(String, String)> {
         self.others
             .iter()
@@ -619,6 +635,23 @@ fn with_peers(cfg: String, mesh: &PeerMesh, interval_ms: u64) -> String {
     v.to_string()
 }
 
+/// The one cluster of all gateways (`--peers-one-cluster`).
+const PEER_GROUP: &str = "gateways";
+
+/// The filter's `peers` section naming the gateways as the hosts of [`PEER_GROUP`].
+fn with_peer_group(cfg: String, interval_ms: u64) -> String {
+    let Ok(mut v) = serde_json::from_str::<serde_json::Value>(&cfg) else {
+        return cfg;
+    };
+    v["peers"] = json!({
+        "cluster": PEER_GROUP,
+        "adminCluster": "admin",
+        "intervalMs": interval_ms,
+        "tokenEnv": PEER_TOKEN_ENV,
+    });
+    v.to_string()
+}
+
 /// The variable that holds the replicas' shared secret, as a deployment would pass it.
 const PEER_TOKEN_ENV: &str = "TOKENAWARE_PEER_TOKEN";
 
@@ -632,8 +665,14 @@ fn start_target(
     let envoy = |mut cfg: GatewayConfig| {
         if let (Some(m), Some(w), Some(ms)) = (mesh, cfg.wasm.as_mut(), p.peers_interval_ms) {
             cfg.listen_port = m.listen_port;
-            cfg.peer_clusters = m.clusters();
-            w.configuration = with_peers(std::mem::take(&mut w.configuration), m, ms);
+            let conf = std::mem::take(&mut w.configuration);
+            if p.peers_one_cluster {
+                cfg.peer_group = Some((PEER_GROUP.into(), m.all()));
+                w.configuration = with_peer_group(conf, ms);
+            } else {
+                cfg.peer_clusters = m.clusters();
+                w.configuration = with_peers(conf, m, ms);
+            }
             cfg.vm_env = vec![(PEER_TOKEN_ENV.into(), m.token.clone())];
         }
         Envoy::start(cfg).map(|e| Gateway::Envoy(Box::new(e)))
@@ -907,6 +946,7 @@ async fn main() -> anyhow::Result<()> {
         p.kv_report_factor = a.kv_report_factor;
         p.deal = a.deal;
         p.peers_interval_ms = a.peers.then_some(a.peers_interval_ms);
+        p.peers_one_cluster = a.peers_one_cluster;
         if let Some(g) = a.groups {
             anyhow::ensure!(g > 0, "--groups: at least one group");
             p.groups = g;

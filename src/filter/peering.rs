@@ -1,0 +1,218 @@
+//! The poller's side of `peers`: which replicas to ask, from where, and what their answers
+//! teach. Replicas are named either one cluster each (`peers.clusters`) or as the hosts of
+//! one cluster of all replicas (`peers.cluster`, read from Envoy's admin `/clusters`), each
+//! polled pinned by the override_host header. A host that answers with this process's own
+//! ring is this process, and is not asked again.
+
+use std::collections::{HashMap, HashSet};
+
+use super::host::{Host, HostError, Level};
+use super::http::{DESTINATION, PEER_TOKEN};
+use super::root::{cluster_hosts, Call};
+use super::stats::Counter;
+use super::vm::Vm;
+use crate::config::{PeersConfig, MAX_PEERS};
+use crate::peers::{Cursor, PeerCursors, PlacementBatch};
+
+/// How often the hosts of `peers.cluster` are read again.
+pub const MEMBERS_INTERVAL_MS: u64 = 5_000;
+
+/// One replica to ask: its cursor slot, and its name (the cluster, or the host's address).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerTarget {
+    pub slot: usize,
+    pub name: String,
+}
+
+pub struct PeerPoller {
+    cursors: PeerCursors,
+    next_poll_ms: u64,
+    next_members_ms: u64,
+    /// With `peers.cluster`: its hosts as last read, sorted, at most `MAX_PEERS`.
+    members: Vec<String>,
+    /// Hosts that answered with this process's own ring.
+    selves: HashSet<String>,
+    /// Polls refused for a token that differs (for the log's rate limit).
+    refusals: u64,
+}
+
+impl PeerPoller {
+    pub fn new(namespace: &str) -> PeerPoller {
+        PeerPoller {
+            cursors: PeerCursors::new(namespace),
+            next_poll_ms: 0,
+            next_members_ms: 0,
+            members: Vec::new(),
+            selves: HashSet::new(),
+            refusals: 0,
+        }
+    }
+
+    /// The replicas asked now (this process left out).
+    pub fn targets(&self, p: &PeersConfig) -> Vec<PeerTarget> {
+        let names = match p.cluster {
+            None => &p.clusters,
+            Some(_) => &self.members,
+        };
+        names
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| !self.selves.contains(*n))
+            .map(|(slot, n)| PeerTarget {
+                slot,
+                name: n.clone(),
+            })
+            .collect()
+    }
+
+    /// When due: reads the cluster's hosts (if due too), then asks each replica for the
+    /// placements it made since the last answer; at most one call in flight per replica.
+    pub fn poll<H: Host>(
+        &mut self,
+        h: &H,
+        vm: &Vm,
+        now: u64,
+        calls: &mut HashMap<u32, (Call, u64)>,
+    ) {
+        let Some(p) = vm.cfg.peers.as_ref() else {
+            return;
+        };
+        if now < self.next_poll_ms {
+            return;
+        }
+        self.next_poll_ms = now + p.interval_ms;
+        self.read_members(h, p, now, calls);
+        for t in self.targets(p) {
+            if calls.values().any(|(c, _)| *c == Call::Peer(t.clone())) {
+                continue;
+            }
+            let Ok(from) = self.cursors.get(h, t.slot, &t.name) else {
+                vm.stats.inc(h, Counter::PeerErrors);
+                continue;
+            };
+            match ask(h, p, &t, from) {
+                Ok(token) => {
+                    calls.insert(token, (Call::Peer(t), now));
+                }
+                Err(_) => vm.stats.inc(h, Counter::PeerPollsFailed),
+            }
+        }
+    }
+
+    fn read_members<H: Host>(
+        &mut self,
+        h: &H,
+        p: &PeersConfig,
+        now: u64,
+        calls: &mut HashMap<u32, (Call, u64)>,
+    ) {
+        let Some(admin) = p.admin_cluster.as_deref().filter(|_| p.cluster.is_some()) else {
+            return;
+        };
+        let busy = calls.values().any(|(c, _)| *c == Call::PeerMembers);
+        if now < self.next_members_ms || busy {
+            return;
+        }
+        self.next_members_ms = now + MEMBERS_INTERVAL_MS;
+        let hdrs = [
+            (":method", "GET"),
+            (":path", "/clusters?format=json"),
+            (":authority", "envoy-admin"),
+        ];
+        if let Ok(token) = h.dispatch(admin, &hdrs, p.timeout_ms.max(1_000)) {
+            calls.insert(token, (Call::PeerMembers, now));
+        }
+    }
+
+    /// Admin's `/clusters`: the hosts of `peers.cluster` become the replicas asked.
+    pub fn members_answered(&mut self, p: &PeersConfig, body: Option<&[u8]>) {
+        let (Some(cluster), Some(body)) = (p.cluster.as_deref(), body) else {
+            return;
+        };
+        let Some(hosts) = cluster_hosts(body, cluster) else {
+            return;
+        };
+        let mut members: Vec<String> = hosts.into_iter().map(|(a, _)| a).collect();
+        members.sort();
+        members.dedup();
+        members.truncate(MAX_PEERS);
+        self.selves.retain(|s| members.contains(s));
+        self.members = members;
+    }
+
+    /// A replica's answer (`status` 0 when there was none): its placements go into this
+    /// gateway's index, and the next poll asks from where this one ended.
+    pub fn answered<H: Host>(
+        &mut self,
+        h: &H,
+        vm: &Vm,
+        t: PeerTarget,
+        status: u32,
+        body: Option<Vec<u8>>,
+    ) {
+        if status == 403 {
+            self.refused(h, &t);
+        }
+        let Some(batch) = body.as_deref().and_then(PlacementBatch::from_json) else {
+            return vm.stats.inc(h, Counter::PeerPollsFailed);
+        };
+        vm.stats.inc(h, Counter::PeerPollsOk);
+        let Ok(r) = vm.router.try_borrow() else {
+            return;
+        };
+        let own = r.placements.as_ref().and_then(|l| l.end(h).ok());
+        if batch.ring != 0 && own.is_some_and(|c| c.ring == batch.ring) {
+            // This process, through the cluster of all replicas: nothing to learn.
+            self.selves.insert(t.name);
+            return;
+        }
+        let now = h.now_ms().unwrap_or(0);
+        match r.learn_placements(h, &vm.table(h).endpoints, &batch, now) {
+            Ok(n) => vm.stats.add(h, Counter::PeerPlacementsLearned, n as u64),
+            Err(_) => return vm.stats.inc(h, Counter::PeerErrors),
+        }
+        if self
+            .cursors
+            .set(h, t.slot, &t.name, batch.cursor())
+            .is_err()
+        {
+            vm.stats.inc(h, Counter::PeerErrors);
+        }
+    }
+
+    /// A replica that refuses the poll (403) holds another token: say so in the log (the
+    /// first time, then every power of two), since only the operator can mend it.
+    fn refused<H: Host>(&mut self, h: &H, t: &PeerTarget) {
+        self.refusals = self.refusals.wrapping_add(1);
+        if !self.refusals.is_power_of_two() {
+            return;
+        }
+        h.log(
+            Level::Warn,
+            &format!(
+                "tokenaware: peer {} refused a poll (403, #{}): its peers.token is not this gateway's",
+                t.name, self.refusals
+            ),
+        );
+    }
+}
+
+/// Asks replica `t` for its placements from `from` on.
+fn ask<H: Host>(h: &H, p: &PeersConfig, t: &PeerTarget, from: Cursor) -> Result<u32, HostError> {
+    let path = format!("{}?since={}&ring={}", p.path, from.next, from.ring);
+    let token = p.token.as_ref().map_or("", |t| t.as_str());
+    let mut hdrs = vec![
+        (":method", "GET"),
+        (":path", path.as_str()),
+        (":authority", "tokenaware-peer"),
+        (PEER_TOKEN, token),
+    ];
+    let cluster = match &p.cluster {
+        None => t.name.as_str(),
+        Some(c) => {
+            hdrs.push((DESTINATION, t.name.as_str()));
+            c.as_str()
+        }
+    };
+    h.dispatch(cluster, &hdrs, p.timeout_ms)
+}
