@@ -44,6 +44,8 @@ pub struct PlacementBatch {
     pub next: u64,
     pub ring: u64,
     pub placements: Vec<Placement>,
+    /// The ring's next sequence number when it answered (0 from a peer that does not say).
+    pub end: u64,
 }
 
 impl PlacementBatch {
@@ -53,6 +55,13 @@ impl PlacementBatch {
             next: self.next,
             ring: self.ring,
         }
+    }
+
+    /// Nothing came back from a place before the ring's end: the entry there was numbered
+    /// but not written. A writer numbers and writes in one callback, so one still missing
+    /// a poll later belongs to a VM that died in between.
+    pub fn stopped_at_a_gap(&self, asked: Cursor) -> bool {
+        self.placements.is_empty() && self.cursor() == asked && self.next < self.end
     }
 }
 
@@ -155,6 +164,7 @@ impl PlacementLog {
             next: seq,
             ring,
             placements: out,
+            end,
         })
     }
 }
@@ -271,6 +281,7 @@ impl Serialize for HexBlocks<'_> {
 struct WireBatchOut<'a> {
     next: u64,
     ring: u64,
+    end: u64,
     placements: Vec<WirePlacementOut<'a>>,
 }
 
@@ -288,6 +299,8 @@ struct WireBatchIn<'a> {
     next: u64,
     #[serde(default)]
     ring: u64,
+    #[serde(default)]
+    end: u64,
     #[serde(borrow)]
     placements: Vec<WirePlacementIn<'a>>,
 }
@@ -298,6 +311,7 @@ impl PlacementBatch {
         let wire = WireBatchOut {
             next: self.next,
             ring: self.ring,
+            end: self.end,
             placements: self
                 .placements
                 .iter()
@@ -330,6 +344,7 @@ impl PlacementBatch {
             next: wire.next,
             ring: wire.ring,
             placements,
+            end: wire.end,
         })
     }
 }
@@ -477,6 +492,7 @@ mod tests {
         let one = PlacementBatch {
             next: 2,
             ring: 7,
+            end: 2,
             placements: vec![Placement {
                 seq: 1,
                 address: "a:1".into(),
@@ -485,7 +501,7 @@ mod tests {
         };
         assert_eq!(
             String::from_utf8(one.to_json()).unwrap(),
-            r#"{"next":2,"ring":7,"placements":[{"endpoint":"a:1","blocks":"0000000000000001ffffffffffffffff"}]}"#
+            r#"{"next":2,"ring":7,"end":2,"placements":[{"endpoint":"a:1","blocks":"0000000000000001ffffffffffffffff"}]}"#
         );
     }
 

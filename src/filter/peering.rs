@@ -34,6 +34,8 @@ pub struct PeerPoller {
     selves: HashSet<String>,
     /// Polls refused for a token that differs (for the log's rate limit).
     refusals: u64,
+    /// Replicas whose last answer stopped at an entry numbered but not written.
+    gaps: HashSet<String>,
 }
 
 impl PeerPoller {
@@ -45,6 +47,7 @@ impl PeerPoller {
             members: Vec::new(),
             selves: HashSet::new(),
             refusals: 0,
+            gaps: HashSet::new(),
         }
     }
 
@@ -137,6 +140,7 @@ impl PeerPoller {
         members.dedup();
         members.truncate(MAX_PEERS);
         self.selves.retain(|s| members.contains(s));
+        self.gaps.retain(|s| members.contains(s));
         self.members = members;
     }
 
@@ -171,13 +175,32 @@ impl PeerPoller {
             Ok(n) => vm.stats.add(h, Counter::PeerPlacementsLearned, n as u64),
             Err(_) => return vm.stats.inc(h, Counter::PeerErrors),
         }
-        if self
-            .cursors
-            .set(h, t.slot, &t.name, batch.cursor())
-            .is_err()
-        {
+        let next = self.past_a_dead_gap(h, vm, &t, &batch);
+        if self.cursors.set(h, t.slot, &t.name, next).is_err() {
             vm.stats.inc(h, Counter::PeerErrors);
         }
+    }
+
+    /// Where to ask `t` from next. An answer that stops at the same unwritten entry twice in
+    /// a row has found one its writer will never fill: step over it, or every placement
+    /// after it would wait until the ring laps.
+    fn past_a_dead_gap<H: Host>(
+        &mut self,
+        h: &H,
+        vm: &Vm,
+        t: &PeerTarget,
+        batch: &PlacementBatch,
+    ) -> Cursor {
+        let mut next = batch.cursor();
+        let asked = self.cursors.get(h, t.slot, &t.name).unwrap_or_default();
+        if !batch.stopped_at_a_gap(asked) {
+            self.gaps.remove(&t.name);
+        } else if !self.gaps.insert(t.name.clone()) {
+            self.gaps.remove(&t.name);
+            next.next += 1;
+            vm.stats.inc(h, Counter::PeerGapsSkipped);
+        }
+        next
     }
 
     /// A replica that refuses the poll (403) holds another token: say so in the log (the

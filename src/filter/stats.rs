@@ -134,10 +134,12 @@ pub enum Counter {
     PeerErrors,
     /// Asks on `peers.path` refused: no token, or not the replicas' (`peers.token`).
     PeerRequestsRefused,
+    /// A peer's placement numbered but never written (its VM died), stepped over.
+    PeerGapsSkipped,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 25] = [
+    pub const ALL: [Counter; 26] = [
         Counter::Routed,
         Counter::Released,
         Counter::FailedEarly,
@@ -163,6 +165,7 @@ impl Counter {
         Counter::PeerPlacementsLearned,
         Counter::PeerErrors,
         Counter::PeerRequestsRefused,
+        Counter::PeerGapsSkipped,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -192,6 +195,7 @@ impl Counter {
             Counter::PeerPlacementsLearned => "tokenaware_peer_placements_learned",
             Counter::PeerErrors => "tokenaware_peer_errors",
             Counter::PeerRequestsRefused => "tokenaware_peer_requests_refused",
+            Counter::PeerGapsSkipped => "tokenaware_peer_gaps_skipped",
         }
     }
 

@@ -10,6 +10,7 @@ use super::testing::{Dispatched, FakeHost};
 use super::vm::Vm;
 use super::{Action, HttpFilter, Root};
 use crate::ledger::Load;
+use crate::store::SharedStore;
 
 const EPS: &str = r#""endpoints":[{"address":"127.0.0.1:8001"},{"address":"127.0.0.1:8002"},{"address":"127.0.0.1:8003"}]"#;
 const CHAT: &str = "/v1/chat/completions";
@@ -1366,8 +1367,13 @@ fn ask_peer(h: &FakeHost, vm: &Rc<Vm>, since: u64) -> (u32, Vec<u8>) {
 }
 
 fn ask_peer_with(h: &FakeHost, vm: &Rc<Vm>, since: u64, token: Option<&str>) -> (u32, Vec<u8>) {
+    ask_peer_at(h, vm, &format!("/tokenaware/peers?since={since}"), token)
+}
+
+/// The peer path of `vm`'s process at `path` (a poll's own path, with its ring).
+fn ask_peer_at(h: &FakeHost, vm: &Rc<Vm>, path: &str, token: Option<&str>) -> (u32, Vec<u8>) {
     h.sent.borrow_mut().clear();
-    h.new_request(&format!("/tokenaware/peers?since={since}"), b"");
+    h.new_request(path, b"");
     if let Some(t) = token {
         h.request_headers
             .borrow_mut()
@@ -1591,6 +1597,52 @@ fn replicas_read_from_one_cluster_are_each_asked_and_this_one_is_left_out() {
     let (mut f, _) = send(&ha, &a, CHAT, &chat(&sys("b"), "another"));
     assert_eq!(ha.metric("tokenaware_decisions_sticky"), 1);
     respond(&ha, &mut f, b"{}");
+}
+
+#[test]
+fn a_placement_numbered_but_never_written_is_stepped_over() {
+    let (ha, hb) = (FakeHost::new(), FakeHost::new());
+    let a = vm(&ha, PEERS);
+    let mut rb = root(&hb, PEERS, 2);
+    let place = |who: &str| {
+        let sys = format!("You are the assistant of tenant {who}. ").repeat(100);
+        let (mut f, _) = send(&ha, &a, CHAT, &chat(&sys, "q"));
+        respond(&ha, &mut f, b"{}");
+    };
+    place("one");
+    // A VM of A numbers placement 1 and dies before writing it.
+    let key = "tokenaware/pl/n";
+    let (v, _) = ha.store.get(key).unwrap();
+    let mut v = v.unwrap().to_vec();
+    let n = u64::from_le_bytes(v[..8].try_into().unwrap());
+    v[..8].copy_from_slice(&(n + 1).to_le_bytes());
+    ha.store.set(key, &v, None).unwrap();
+    place("two");
+    // B's polls: the first brings placement 0 and stops at 1; two more stop there; then
+    // B steps over it and gets placement 2.
+    let mut asked = Vec::new();
+    for _ in 0..4 {
+        hb.now.set(hb.now.get() + 200);
+        rb.on_tick(&hb);
+        let calls = hb.take_dispatched();
+        let path = path_of(&calls[0]).to_string();
+        let (status, body) = ask_peer_at(&ha, &a, &path, Some(PEER_SECRET));
+        assert_eq!(status, 200);
+        hb.set_call_answer(Some(200), &body);
+        rb.on_call_response(&hb, calls[0].token, 3, body.len());
+        asked.push(path.split('&').next().unwrap_or("").to_string());
+    }
+    assert_eq!(
+        asked,
+        [
+            "/tokenaware/peers?since=0",
+            "/tokenaware/peers?since=1",
+            "/tokenaware/peers?since=1",
+            "/tokenaware/peers?since=2"
+        ]
+    );
+    assert_eq!(hb.metric("tokenaware_peer_gaps_skipped"), 1);
+    assert_eq!(hb.metric("tokenaware_peer_placements_learned"), 2);
 }
 
 #[test]
