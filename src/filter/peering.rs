@@ -86,7 +86,11 @@ impl PeerPoller {
         self.next_poll_ms = now + p.interval_ms;
         self.read_members(h, p, now, calls);
         for t in self.targets(p) {
-            if calls.values().any(|(c, _)| *c == Call::Peer(t.clone())) {
+            // By name: a host's slot moves when the cluster's hosts change.
+            if calls
+                .values()
+                .any(|(c, _)| matches!(c, Call::Peer(x) if x.name == t.name))
+            {
                 continue;
             }
             let Ok(from) = self.cursors.get(h, t.slot, &t.name) else {
