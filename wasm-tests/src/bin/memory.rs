@@ -57,8 +57,9 @@ struct Args {
     /// Memory sample period during the soak.
     #[arg(long, default_value_t = 30)]
     sample_secs: u64,
-    /// Turn `peers` on, the filter Envoy named as its own peer: its placement ring fills
-    /// and it answers and reads its own polls (the most `peers` can hold).
+    /// Turn `peers` on with a second filter Envoy as the other replica, sent as many
+    /// distinct prompts as the measured one: the measured Envoy's ring fills, it answers the
+    /// other's polls and reads the other's answers (the most `peers` holds in one process).
     #[arg(long)]
     peers: bool,
 }
@@ -159,23 +160,33 @@ async fn main() -> anyhow::Result<()> {
         "maxPrefixBlocks": MAX_BLOCKS,
         "kvCapacityTokens": args.kv_capacity_tokens,
     });
-    let listen_port = wasm_tests::ports::free_ports(1)?[0];
+    let ports = wasm_tests::ports::free_ports(2)?;
     if args.peers {
         plugin["peers"] = json!({
-            "clusters": ["self_peer"],
+            "clusters": ["other_replica"],
             "intervalMs": 100,
-            "token": "memory-self-peer-token",
+            "token": "memory-replicas-token",
         });
     }
-    let mut cfg = GatewayConfig::new(eps.clone()).with_wasm(&wasm, plugin.to_string());
-    cfg.listen_port = listen_port;
-    if args.peers {
-        cfg.peer_clusters = vec![("self_peer".into(), format!("127.0.0.1:{listen_port}"))];
-    }
+    let replica = |me: u16, other: u16| {
+        let mut cfg = GatewayConfig::new(eps.clone()).with_wasm(&wasm, plugin.to_string());
+        cfg.listen_port = me;
+        if args.peers {
+            cfg.peer_clusters = vec![("other_replica".into(), format!("127.0.0.1:{other}"))];
+        }
+        cfg
+    };
+    let (cfg, other) = (replica(ports[0], ports[1]), replica(ports[1], ports[0]));
     let plain = GatewayConfig::new(eps.clone());
-    let (envoy, plain) =
-        tokio::task::spawn_blocking(move || anyhow::Ok((Envoy::start(cfg)?, Envoy::start(plain)?)))
-            .await??;
+    let with_other = args.peers;
+    let (envoy, plain, other) = tokio::task::spawn_blocking(move || {
+        let other = match with_other {
+            true => Some(Envoy::start(other)?),
+            false => None,
+        };
+        anyhow::Ok((Envoy::start(cfg)?, Envoy::start(plain)?, other))
+    })
+    .await??;
     let per_ep = args.kv_capacity_tokens / BLOCK_TOKENS;
     let total_blocks = per_ep * args.endpoints as u64;
     println!(
@@ -187,6 +198,9 @@ async fn main() -> anyhow::Result<()> {
         .timeout(Duration::from_secs(30))
         .build()?;
     let url = envoy.url("/v1/completions");
+    // With `--peers`, the other replica gets distinct prompts of its own, one for each of
+    // the measured one's.
+    let other_url: Option<Arc<str>> = other.as_ref().map(|e| e.url("/v1/completions").into());
     let filler: Arc<str> = "Lorem ipsum dolor sit amet, consectetur adipiscing elit. "
         .repeat(MAX_BLOCKS * BLOCK_BYTES / 50 + 2)
         .into();
@@ -215,9 +229,16 @@ async fn main() -> anyhow::Result<()> {
         let permit = sem.clone().acquire_owned().await?;
         let (c, url, filler, failed) =
             (client.clone(), url.clone(), filler.clone(), failed.clone());
+        let other_url = other_url.clone();
         tasks.push(tokio::spawn(async move {
             if !post(&c, &url, distinct_prompt(id, prompt_bytes, &filler)).await {
                 failed.fetch_add(1, Ordering::Relaxed);
+            }
+            if let Some(o) = other_url {
+                let prompt = distinct_prompt(id | 1 << 40, prompt_bytes, &filler);
+                if !post(&c, &o, prompt).await {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                }
             }
             drop(permit);
         }));
@@ -310,6 +331,7 @@ async fn main() -> anyhow::Result<()> {
             sem.clone(),
         );
         let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / args.rate));
+        let (other_url, filler) = (other_url.clone(), filler.clone());
         tokio::spawn(async move {
             let mut i = n;
             while Instant::now() < end {
@@ -319,6 +341,14 @@ async fn main() -> anyhow::Result<()> {
                 };
                 i += 1;
                 let prompt = if i.is_multiple_of(4) {
+                    // The other replica places as many new prefixes as this one.
+                    if let Some(o) = other_url.clone() {
+                        let (c, p) = (
+                            c.clone(),
+                            distinct_prompt(i | 1 << 40, prompt_bytes, &filler),
+                        );
+                        tokio::spawn(async move { post(&c, &o, p).await });
+                    }
                     distinct_prompt(i, prompt_bytes, &filler)
                 } else {
                     format!("{}\nquestion {i}", shared[(i as usize * 7) % shared.len()])
