@@ -795,29 +795,13 @@ async fn replicas_named_as_peers_send_a_prefix_where_the_other_placed_it() {
         envoys.push(spawn_envoy(cfg).await);
     }
     let http = client();
-    let post = |e: &Envoy, body: String| {
-        let req = http
-            .post(e.url(CHAT))
-            .header("content-type", "application/json")
-            .body(body);
-        async move { answer(req.send().await.unwrap()).await }
-    };
-    let learned = |e: &Envoy| {
-        e.stat("wasmcustom.tokenaware_peer_placements_learned")
-            .unwrap()
-            .unwrap_or(0)
-    };
     let (a, b) = (&envoys[0], &envoys[1]);
     for g in 0..4 {
-        let first = post(a, chat(&system(g, 40_000), "q0")).await;
+        let first = post_chat(&http, a, chat(&system(g, 40_000), "q0")).await;
         assert_eq!(first.status, 200);
         assert!(first.decision.contains("reason=cold"), "{}", first.decision);
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while learned(b) < g as i64 + 1 {
-            assert!(Instant::now() < deadline, "B never learned group {g}");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let second = post(b, chat(&system(g, 40_000), "q1")).await;
+        wait_for_stat(b, "peer_placements_learned", g as i64 + 1).await;
+        let second = post_chat(&http, b, chat(&system(g, 40_000), "q1")).await;
         assert_eq!(second.status, 200);
         assert!(
             second.decision.contains("reason=sticky"),
@@ -872,6 +856,25 @@ async fn replicas_named_as_peers_send_a_prefix_where_the_other_placed_it() {
     drop(fleet);
 }
 
+/// Posts a chat body to `e`.
+async fn post_chat(http: &reqwest::Client, e: &Envoy, body: String) -> Answer {
+    let req = http
+        .post(e.url(CHAT))
+        .header("content-type", "application/json")
+        .body(body);
+    answer(req.send().await.unwrap()).await
+}
+
+/// Waits, at most 15 s, until `e`'s counter `tokenaware_{name}` reaches `at_least`.
+async fn wait_for_stat(e: &Envoy, name: &str, at_least: i64) {
+    let full = format!("wasmcustom.tokenaware_{name}");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while e.stat(&full).unwrap().unwrap_or(0) < at_least {
+        assert!(Instant::now() < deadline, "{full} never reached {at_least}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Replicas named as the hosts of one cluster (as DNS of a headless Service gives them):
 /// each reads the hosts from its admin, asks the others pinned by the override header,
 /// and leaves itself out once its own ring comes back.
@@ -894,13 +897,6 @@ async fn replicas_read_from_one_cluster_learn_each_others_placements() {
         envoys.push(spawn_envoy(cfg).await);
     }
     let http = client();
-    let post = |e: &Envoy, body: String| {
-        let req = http
-            .post(e.url(CHAT))
-            .header("content-type", "application/json")
-            .body(body);
-        async move { answer(req.send().await.unwrap()).await }
-    };
     let stat = |e: &Envoy, n: &str| {
         e.stat(&format!("wasmcustom.tokenaware_{n}"))
             .unwrap()
@@ -908,14 +904,10 @@ async fn replicas_read_from_one_cluster_learn_each_others_placements() {
     };
     let (a, b) = (&envoys[0], &envoys[1]);
     for (g, (from, to)) in [(a, b), (b, a)].into_iter().enumerate() {
-        let first = post(from, chat(&system(g, 40_000), "q0")).await;
+        let first = post_chat(&http, from, chat(&system(g, 40_000), "q0")).await;
         assert!(first.decision.contains("reason=cold"), "{}", first.decision);
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while stat(to, "peer_placements_learned") < 1 {
-            assert!(Instant::now() < deadline, "group {g} never learned");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let second = post(to, chat(&system(g, 40_000), "q1")).await;
+        wait_for_stat(to, "peer_placements_learned", 1).await;
+        let second = post_chat(&http, to, chat(&system(g, 40_000), "q1")).await;
         assert!(
             second.decision.contains("reason=sticky"),
             "{}",
