@@ -73,8 +73,8 @@ pub struct Cursor {
 }
 
 /// The ring of this process's recent new placements: `{ns}/pl/n` (the next sequence
-/// number, and the ring's identity, set by the process's first placement) and
-/// `{ns}/pl/{seq % LOG_ENTRIES}`.
+/// number, and the ring's identity, claimed when the plugin starts or else by the process's
+/// first placement) and `{ns}/pl/{seq % LOG_ENTRIES}`.
 #[derive(Debug, Clone)]
 pub struct PlacementLog {
     prefix: String,
@@ -118,6 +118,22 @@ impl PlacementLog {
         let blocks = &blocks[..blocks.len().min(MAX_SHARED_BLOCKS)];
         s.set(&self.entry_key(seq), &encode(seq, address, blocks), None)?;
         Ok(seq)
+    }
+
+    /// Names the ring now, if no VM of this process has (`seed`: any value that differs
+    /// between processes and restarts). A process that has placed nothing yet then already
+    /// answers with its own ring, so a replica polling itself knows itself at once.
+    pub fn claim_ring<S: SharedStore + ?Sized>(&self, s: &S, seed: u64) -> Result<(), StoreError> {
+        update(s, &self.count_key, |old| {
+            if read_u64(old, 8) != 0 {
+                return None;
+            }
+            let mut b = vec![0u8; 16];
+            write_u64(&mut b, 0, read_u64(old, 0));
+            write_u64(&mut b, 8, seed | 1);
+            Some((b, ()))
+        })?;
+        Ok(())
     }
 
     /// The next sequence number (placements recorded so far) and the ring's identity.

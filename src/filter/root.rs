@@ -153,6 +153,15 @@ impl Root {
             served: HashMap::new(),
             gauges: HashMap::new(),
         };
+        if let Ok(r) = root.vm.router.try_borrow() {
+            // The ring is named before any placement, so this process knows itself among
+            // the replicas it polls from its first poll; failing that, its first placement
+            // names it.
+            let seed = xxhash_rust::xxh64::xxh64(&id.to_le_bytes(), h.now_ms().unwrap_or(0));
+            if let Some(Err(_)) = r.placements.as_ref().map(|l| l.claim_ring(h, seed)) {
+                root.vm.stats.inc(h, Counter::PeerErrors);
+            }
+        }
         if newest && root.vm.cfg.discovery.is_none() {
             root.adopt_static_list(h);
         }
