@@ -375,8 +375,9 @@ impl Router {
         if chain.full_blocks().is_empty() {
             return Ok(false);
         }
-        // The ring's name must differ between processes (a replica that reads its own ring
-        // from a cluster of all replicas takes it for itself): the time and this VM's
+        // The ring is named at plugin start (`Root::configure`); should that have failed,
+        // the first placement names it, and the name must still differ between processes
+        // (a replica that reads its own ring takes it for itself): the time and this VM's
         // random sequence.
         let ring_seed = xxhash_rust::xxh64::xxh64(&self.seq.to_le_bytes(), routed.dispatch_ms);
         log.record(s, address, chain.full_blocks(), ring_seed)?;

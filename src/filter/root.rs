@@ -335,8 +335,11 @@ impl Root {
         };
         // What follows may rewrite the table or clear an endpoint's index.
         self.vm.recent.clear();
-        let ok = num_headers > 0
-            && matches!(h.call_response_header(":status"), Ok(Some(s)) if s == b"200");
+        let status = match num_headers {
+            0 => 0,
+            _ => call_status(h),
+        };
+        let ok = status == 200;
         match call {
             Call::Metrics(address) => {
                 self.polling.remove(&address);
@@ -352,10 +355,6 @@ impl Root {
                 }
             }
             Call::Peer(target) => {
-                let status = match num_headers {
-                    0 => 0,
-                    _ => call_status(h),
-                };
                 let body = match ok {
                     true => h.call_response_body(body.min(MAX_PEER_BYTES)).ok(),
                     false => None,
