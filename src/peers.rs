@@ -187,55 +187,69 @@ impl PlacementLog {
 
 /// Where the poller asks each peer from next, in shared data, so a poller that takes the
 /// lease over goes on where the last one stopped instead of inserting the peer's whole ring
-/// again (old placements an endpoint may have evicted since). `{ns}/pc/{i}` for the i-th
-/// peer cluster holds (hash of its name, next sequence number, ring): a fixed key set, and
-/// a renamed cluster starts over.
+/// again (old placements an endpoint may have evicted since). One value, `{ns}/pc`, holds
+/// one entry per peer *by name* (hash of the name, next sequence number, ring; 24 bytes
+/// each), so a replica keeps its place when others join or leave the cluster. Entries are
+/// kept in the order they were last written; past `MAX_CURSORS` the least recently written
+/// goes (a replica that left: the ones still asked are written at every answer).
 #[derive(Debug, Clone)]
 pub struct PeerCursors {
-    prefix: String,
+    key: String,
 }
+
+/// Cursors kept, at most: twice the replicas asked, so the ones that left make room.
+pub const MAX_CURSORS: usize = 2 * crate::config::MAX_PEERS;
+const CURSOR_BYTES: usize = 24;
 
 impl PeerCursors {
     pub fn new(namespace: &str) -> PeerCursors {
         PeerCursors {
-            prefix: format!("{namespace}/pc/"),
+            key: format!("{namespace}/pc"),
         }
     }
 
-    fn key(&self, i: usize) -> String {
-        format!("{}{i}", self.prefix)
+    /// Where to ask the peer named `name` from; the start of no ring when unknown.
+    pub fn get<S: SharedStore + ?Sized>(&self, s: &S, name: &str) -> Result<Cursor, StoreError> {
+        let (v, _) = s.get(&self.key)?;
+        let id = xxh64(name.as_bytes(), 0);
+        Ok(v.as_deref()
+            .and_then(|b| entries(b).find(|e| e.0 == id))
+            .map_or_else(Cursor::default, |e| e.1))
     }
 
-    /// Where to ask peer `i` (named `cluster`) from; the start of no ring when unknown.
-    pub fn get<S: SharedStore + ?Sized>(
-        &self,
-        s: &S,
-        i: usize,
-        cluster: &str,
-    ) -> Result<Cursor, StoreError> {
-        let (v, _) = s.get(&self.key(i))?;
-        Ok(match v {
-            Some(v) if read_u64(&v, 0) == xxh64(cluster.as_bytes(), 0) => Cursor {
-                next: read_u64(&v, 8),
-                ring: read_u64(&v, 16),
-            },
-            _ => Cursor::default(),
-        })
-    }
-
+    /// Records where to ask `name` from next (its entry becomes the most recent).
     pub fn set<S: SharedStore + ?Sized>(
         &self,
         s: &S,
-        i: usize,
-        cluster: &str,
+        name: &str,
         at: Cursor,
     ) -> Result<(), StoreError> {
-        let mut b = vec![0u8; 24];
-        write_u64(&mut b, 0, xxh64(cluster.as_bytes(), 0));
-        write_u64(&mut b, 8, at.next);
-        write_u64(&mut b, 16, at.ring);
-        s.set(&self.key(i), &b, None)
+        let id = xxh64(name.as_bytes(), 0);
+        update(s, &self.key, |old| {
+            let mut kept: Vec<(u64, Cursor)> = entries(old).filter(|e| e.0 != id).collect();
+            kept.push((id, at));
+            let skip = kept.len().saturating_sub(MAX_CURSORS);
+            let mut b = Vec::with_capacity(CURSOR_BYTES * (kept.len() - skip));
+            for (id, c) in &kept[skip..] {
+                b.extend_from_slice(&id.to_le_bytes());
+                b.extend_from_slice(&c.next.to_le_bytes());
+                b.extend_from_slice(&c.ring.to_le_bytes());
+            }
+            Some((b, ()))
+        })
+        .map(|_| ())
     }
+}
+
+/// The (name hash, cursor) entries of a `PeerCursors` value, oldest first.
+fn entries(b: &[u8]) -> impl Iterator<Item = (u64, Cursor)> + '_ {
+    b.chunks_exact(CURSOR_BYTES).map(|e| {
+        let c = Cursor {
+            next: read_u64(e, 8),
+            ring: read_u64(e, 16),
+        };
+        (read_u64(e, 0), c)
+    })
 }
 
 /// seq (8) | address length (1) | address | blocks (8 each), little-endian.
@@ -540,15 +554,32 @@ mod tests {
     }
 
     #[test]
-    fn cursors_are_kept_per_peer_and_a_renamed_peer_starts_over() {
+    fn cursors_are_kept_per_peer_by_name_and_the_least_recent_make_room() {
         let (c, s) = (PeerCursors::new("t"), MemStore::new());
         let (b, x) = (Cursor { next: 42, ring: 5 }, Cursor { next: 7, ring: 9 });
-        assert_eq!(c.get(&s, 0, "gw_b").unwrap(), Cursor::default());
-        c.set(&s, 0, "gw_b", b).unwrap();
-        c.set(&s, 1, "gw_c", x).unwrap();
-        assert_eq!(c.get(&s, 0, "gw_b").unwrap(), b);
-        assert_eq!(c.get(&s, 1, "gw_c").unwrap(), x);
-        assert_eq!(c.get(&s, 0, "gw_x").unwrap(), Cursor::default());
+        assert_eq!(c.get(&s, "gw_b").unwrap(), Cursor::default());
+        c.set(&s, "gw_b", b).unwrap();
+        c.set(&s, "gw_c", x).unwrap();
+        assert_eq!(c.get(&s, "gw_b").unwrap(), b);
+        assert_eq!(c.get(&s, "gw_c").unwrap(), x);
+        assert_eq!(c.get(&s, "gw_x").unwrap(), Cursor::default());
+        // Written again, a peer's entry is replaced, not added.
+        let b2 = Cursor { next: 50, ring: 5 };
+        c.set(&s, "gw_b", b2).unwrap();
+        assert_eq!(c.get(&s, "gw_b").unwrap(), b2);
+        // Many peers come and go: the value stays bounded, and a peer still written at
+        // every answer keeps its place while the ones that left go first.
+        for i in 0..3 * MAX_CURSORS {
+            c.set(&s, &format!("10.0.0.{i}:80"), Cursor { next: 1, ring: 1 })
+                .unwrap();
+            c.set(&s, "gw_c", x).unwrap();
+        }
+        assert_eq!(c.get(&s, "gw_c").unwrap(), x);
+        assert_eq!(c.get(&s, "gw_b").unwrap(), Cursor::default());
+        assert_eq!(c.get(&s, "10.0.0.0:80").unwrap(), Cursor::default());
+        let last = format!("10.0.0.{}:80", 3 * MAX_CURSORS - 1);
+        assert_eq!(c.get(&s, &last).unwrap(), Cursor { next: 1, ring: 1 });
+        assert_eq!(s.get("t/pc").unwrap().0.unwrap().len(), 24 * MAX_CURSORS);
     }
 
     #[test]

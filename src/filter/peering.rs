@@ -17,10 +17,9 @@ use crate::peers::{Cursor, PeerCursors, PlacementBatch};
 /// How often the hosts of `peers.cluster` are read again.
 pub const MEMBERS_INTERVAL_MS: u64 = 5_000;
 
-/// One replica to ask: its cursor slot, and its name (the cluster, or the host's address).
+/// One replica to ask, by its name (the cluster, or the host's address).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerTarget {
-    pub slot: usize,
     pub name: String,
 }
 
@@ -59,12 +58,8 @@ impl PeerPoller {
         };
         names
             .iter()
-            .enumerate()
-            .filter(|(_, n)| !self.selves.contains(*n))
-            .map(|(slot, n)| PeerTarget {
-                slot,
-                name: n.clone(),
-            })
+            .filter(|n| !self.selves.contains(*n))
+            .map(|n| PeerTarget { name: n.clone() })
             .collect()
     }
 
@@ -86,14 +81,13 @@ impl PeerPoller {
         self.next_poll_ms = now + p.interval_ms;
         self.read_members(h, p, now, calls);
         for t in self.targets(p) {
-            // By name: a host's slot moves when the cluster's hosts change.
             if calls
                 .values()
                 .any(|(c, _)| matches!(c, Call::Peer(x) if x.name == t.name))
             {
                 continue;
             }
-            let Ok(from) = self.cursors.get(h, t.slot, &t.name) else {
+            let Ok(from) = self.cursors.get(h, &t.name) else {
                 vm.stats.inc(h, Counter::PeerErrors);
                 continue;
             };
@@ -180,7 +174,7 @@ impl PeerPoller {
             Err(_) => return vm.stats.inc(h, Counter::PeerErrors),
         }
         let next = self.past_a_dead_gap(h, vm, &t, &batch);
-        if self.cursors.set(h, t.slot, &t.name, next).is_err() {
+        if self.cursors.set(h, &t.name, next).is_err() {
             vm.stats.inc(h, Counter::PeerErrors);
         }
     }
@@ -196,7 +190,7 @@ impl PeerPoller {
         batch: &PlacementBatch,
     ) -> Cursor {
         let mut next = batch.cursor();
-        let asked = self.cursors.get(h, t.slot, &t.name).unwrap_or_default();
+        let asked = self.cursors.get(h, &t.name).unwrap_or_default();
         if !batch.stopped_at_a_gap(asked) {
             self.gaps.remove(&t.name);
         } else if !self.gaps.insert(t.name.clone()) {

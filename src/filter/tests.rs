@@ -1595,6 +1595,46 @@ fn replicas_read_from_one_cluster_are_each_asked_and_this_one_is_left_out() {
     let (mut f, _) = send(&ha, &a, CHAT, &chat(&sys("b"), "another"));
     assert_eq!(ha.metric("tokenaware_decisions_sticky"), 1);
     respond(&ha, &mut f, b"{}");
+    // A replica joins, sorted ahead of B: B is still asked from where it was (its poll in
+    // flight fails, which leaves its cursor as it was).
+    ha.set_call_answer(Some(503), b"");
+    ra.on_call_response(&ha, calls[0].token, 3, 0);
+    ha.now
+        .set(ha.now.get() + super::peering::MEMBERS_INTERVAL_MS);
+    ra.on_tick(&ha);
+    for c in ha.take_dispatched() {
+        if c.cluster == "admin" {
+            let hosts: Vec<serde_json::Value> = [0, 1, 2]
+                .iter()
+                .map(|i| serde_json::json!({"address":{"socket_address":{"address":format!("10.1.0.{i}"),"port_value":10000}}}))
+                .collect();
+            let body =
+                serde_json::json!({"cluster_statuses":[{"name":"gateways","host_statuses":hosts}]})
+                    .to_string();
+            ha.set_call_answer(Some(200), body.as_bytes());
+            ra.on_call_response(&ha, c.token, 4, body.len());
+        } else {
+            ha.set_call_answer(Some(503), b"");
+            ra.on_call_response(&ha, c.token, 3, 0);
+        }
+    }
+    ha.now.set(ha.now.get() + 200);
+    ra.on_tick(&ha);
+    let asked: Vec<(String, String)> = ha
+        .take_dispatched()
+        .iter()
+        .map(|c| {
+            (
+                header_of(c, DESTINATION).to_string(),
+                path_of(c).to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(asked.len(), 2, "{asked:?}");
+    assert_eq!(asked[0].0, "10.1.0.0:10000");
+    assert!(asked[0].1.contains("since=0&"), "{asked:?}");
+    assert_eq!(asked[1].0, "10.1.0.2:10000");
+    assert!(asked[1].1.contains("since=1&"), "{asked:?}");
 }
 
 #[test]
