@@ -620,11 +620,27 @@ fn eg_bootstrap(eep: &Value, epp: &Value, wasm: &Path) -> Value {
 
 /// `envoy --mode validate` on `bootstrap`: Ok or Envoy's complaint.
 fn envoy_validate(name: &str, bootstrap: &Value) -> Result<(), String> {
+    envoy_validate_env(name, bootstrap, &[])
+}
+
+/// `envoy_validate` with `env` set in Envoy's environment (`(name, None)` removes one).
+fn envoy_validate_env(
+    name: &str,
+    bootstrap: &Value,
+    env: &[(&str, Option<&str>)],
+) -> Result<(), String> {
     let dir = std::env::temp_dir().join(format!("tokenaware-deploy-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(format!("{name}.json"));
     std::fs::write(&path, serde_json::to_vec_pretty(bootstrap).unwrap()).unwrap();
-    let out = Command::new(envoy_binary().unwrap())
+    let mut cmd = Command::new(envoy_binary().unwrap());
+    for (k, v) in env {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    let out = cmd
         .args([
             "--mode",
             "validate",
@@ -821,6 +837,84 @@ fn istio_patches_give_a_valid_envoy_config() {
             .unwrap();
     let e = envoy_validate("istio-bad", &bad).unwrap_err();
     assert!(e.contains("override_host_source"), "{e}");
+}
+
+/// The `peers` section examples/istio/README.md adds to the plugin configuration (its one
+/// JSON block).
+fn istio_peers_section() -> Value {
+    let text = std::fs::read_to_string(examples().join("istio/README.md")).unwrap();
+    let blocks: Vec<&str> = text.split("```json\n").skip(1).collect();
+    assert_eq!(
+        blocks.len(),
+        1,
+        "one JSON block expected in istio/README.md"
+    );
+    let block = blocks[0].split("```").next().unwrap();
+    serde_json::from_str(&format!("{{{block}}}")).unwrap()
+}
+
+/// filter.yaml with what examples/istio/README.md adds for `peers`: the section in the
+/// plugin configuration, and `host_env_keys` for the token's variable.
+fn istio_filter_with_peers(peers: &Value) -> Value {
+    let mut filter = istio_filter();
+    let patch = filter["spec"]["configPatches"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find(|p| p["applyTo"] == "EXTENSION_CONFIG")
+        .unwrap();
+    let config = &mut patch["patch"]["value"]["typed_config"]["config"];
+    let value = &mut config["configuration"]["value"];
+    let mut plugin: Value = serde_json::from_str(value.as_str().unwrap()).unwrap();
+    plugin["peers"] = peers["peers"].clone();
+    *value = Value::String(plugin.to_string());
+    let key = peers["peers"]["tokenEnv"].clone();
+    config["vm_config"]["environment_variables"] = json!({ "host_env_keys": [key] });
+    filter
+}
+
+#[test]
+fn istio_peers_give_a_valid_envoy_config() {
+    if !have_envoy() {
+        return;
+    }
+    let section = istio_peers_section();
+    let peers = &section["peers"];
+    let mut clusters = istio_clusters();
+    let peer_patches = patches(&one_doc(
+        &examples().join("istio/peers.yaml"),
+        "EnvoyFilter",
+    ))
+    .clone();
+    clusters["spec"]["configPatches"]
+        .as_array_mut()
+        .unwrap()
+        .extend(peer_patches);
+    let mut boot = istio_bootstrap(&istio_filter_with_peers(&section), &clusters, &wasm_path());
+    // The section names the cluster peers.yaml adds and the admin cluster of clusters.yaml;
+    // polls are pinned to one pod by the header the filter sets.
+    let cs = boot["static_resources"]["clusters"].as_array().unwrap();
+    let named = |n: &Value| cs.iter().find(|c| c["name"] == *n);
+    let group = named(&peers["cluster"]).expect("the peers cluster");
+    assert_eq!(group["type"], "STRICT_DNS");
+    let lb = &group["load_balancing_policy"]["policies"][0]["typed_extension_config"];
+    assert_eq!(lb["name"], "envoy.load_balancing_policies.override_host");
+    assert_eq!(
+        lb["typed_config"]["override_host_sources"][0]["header"],
+        tokenaware::filter::http::DESTINATION
+    );
+    assert!(named(&peers["adminCluster"]).is_some());
+    fail_closed(&mut boot);
+    let var = peers["tokenEnv"].as_str().unwrap();
+    envoy_validate_env(
+        "istio-peers",
+        &boot,
+        &[(var, Some("a-shared-secret-0123456789"))],
+    )
+    .unwrap();
+    // A pod without the variable: the module refuses the configuration, naming the field.
+    let e = envoy_validate_env("istio-peers-no-token", &boot, &[(var, None)]).unwrap_err();
+    assert!(e.contains("peers.tokenEnv"), "{e}");
 }
 
 #[test]
