@@ -360,19 +360,12 @@ impl Router {
         &self,
         s: &S,
         routed: &Routed,
-        chain: &BlockChain,
+        blocks: &[u64],
     ) -> Result<bool, StoreError> {
-        let Some(log) = &self.placements else {
+        let (Some(log), Some(address)) = (&self.placements, routed.addresses.first()) else {
             return Ok(false);
         };
-        let new_copy = matches!(
-            routed.decision.reason,
-            Reason::Cold | Reason::Spill | Reason::Promote
-        );
-        let (Some(address), true) = (routed.addresses.first(), new_copy) else {
-            return Ok(false);
-        };
-        if chain.full_blocks().is_empty() {
+        if !self.shares(routed) || blocks.is_empty() {
             return Ok(false);
         }
         // The ring is named at plugin start (`Root::configure`); should that have failed,
@@ -380,8 +373,18 @@ impl Router {
         // (a replica that reads its own ring takes it for itself): the time and this VM's
         // random sequence.
         let ring_seed = xxhash_rust::xxh64::xxh64(&self.seq.to_le_bytes(), routed.dispatch_ms);
-        log.record(s, address, chain.full_blocks(), ring_seed)?;
+        log.record(s, address, blocks, ring_seed)?;
         Ok(true)
+    }
+
+    /// Whether `routed` is a placement `peers` are told of: a new copy of its prefix (cold,
+    /// spill, promotion), with `peers` on.
+    pub fn shares(&self, routed: &Routed) -> bool {
+        self.placements.is_some()
+            && matches!(
+                routed.decision.reason,
+                Reason::Cold | Reason::Spill | Reason::Promote
+            )
     }
 
     /// Inserts what peer replicas placed into this gateway's index, under the endpoint with

@@ -59,6 +59,9 @@ pub struct HttpFilter {
     /// The request's model and canonical prompt bytes (0 for token ids), for what `usage`
     /// teaches about bytes per token.
     prompt_shape: (String, u64),
+    /// A streamed request's new placement (its block hashes), told to `peers` only once the
+    /// picked endpoint has answered.
+    unshared: Option<Vec<u64>>,
 }
 
 impl HttpFilter {
@@ -74,6 +77,7 @@ impl HttpFilter {
             streamed: false,
             tail: Vec::new(),
             prompt_shape: (String::new(), 0),
+            unshared: None,
         }
     }
 
@@ -171,10 +175,13 @@ impl HttpFilter {
             .flatten()
             .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok())
             .unwrap_or(0);
+        let unshared = self.unshared.take();
         if status >= 500 || status == 0 {
             self.failed_early = true;
         } else {
-            self.check_served_by(h);
+            if self.check_served_by(h) {
+                self.share_placement(h, unshared.as_deref());
+            }
             if end_of_stream {
                 // The whole response is here: `on_log` releases prefill and request together.
                 self.first_byte = true;
@@ -185,26 +192,27 @@ impl HttpFilter {
 
     /// When Envoy retried on a fallback, the picked endpoint never saw the prompt: undo its
     /// index insert and return the charge now (the request is not counted against the
-    /// endpoint that did answer; its prefix is learned when it is picked).
-    fn check_served_by<H: Host>(&mut self, h: &H) {
+    /// endpoint that did answer; its prefix is learned when it is picked). Returns whether
+    /// the picked endpoint answered (as far as Envoy says).
+    fn check_served_by<H: Host>(&mut self, h: &H) -> bool {
         let (Some(routed), Some(vm)) = (self.routed.as_mut(), self.vm.as_ref()) else {
-            return;
+            return false;
         };
         // With `include_attempt_count_in_response`, one attempt means the picked endpoint
         // answered: skip the (costly) upstream address lookup.
         if matches!(h.response_header(ATTEMPT_COUNT), Ok(Some(n)) if n == b"1") {
-            return;
+            return true;
         }
         let Ok(Some(served)) = h.upstream_address() else {
-            return;
+            return true;
         };
         let picked = routed.addresses.first().map(String::as_bytes);
         if picked.is_none() || picked == Some(served.as_slice()) {
-            return;
+            return true;
         }
         vm.stats.inc(h, Counter::ServedByFallback);
         if !slot_is_ours(h, vm, routed) {
-            return;
+            return false;
         }
         if let Ok(r) = vm.router.try_borrow() {
             if r.finish(&vm.recent.fresh(h), routed, Outcome::FailedEarly)
@@ -212,6 +220,22 @@ impl HttpFilter {
             {
                 vm.stats.inc(h, Counter::ReleaseErrors);
             }
+        }
+        false
+    }
+
+    /// Tells `peers` of a new placement (`blocks`, when there is one to tell).
+    fn share_placement<H: Host>(&self, h: &H, blocks: Option<&[u64]>) {
+        let (Some(blocks), Some(routed), Some(vm)) = (blocks, &self.routed, &self.vm) else {
+            return;
+        };
+        let Ok(r) = vm.router.try_borrow() else {
+            return vm.stats.inc(h, Counter::PeerErrors);
+        };
+        match r.share_placement(&vm.recent.fresh(h), routed, blocks) {
+            Ok(true) => vm.stats.inc(h, Counter::PeerPlacementsShared),
+            Ok(false) => {}
+            Err(_) => vm.stats.inc(h, Counter::PeerErrors),
         }
     }
 
@@ -398,10 +422,19 @@ impl HttpFilter {
             let _ = router.finish(&vm.recent.fresh(h), &mut routed, Outcome::FailedEarly);
             return Err(internal("setting the destination", e));
         }
-        match router.share_placement(s, &routed, &chain) {
-            Ok(true) => vm.stats.inc(h, Counter::PeerPlacementsShared),
-            Ok(false) => {}
-            Err(_) => vm.stats.inc(h, Counter::PeerErrors),
+        if stream {
+            // A streamed answer's headers come as soon as the server takes the request: the
+            // placement is told to the peers then, so one refused, failed or served by a
+            // fallback never is. An answer not streamed comes whole, too late to wait for.
+            if router.shares(&routed) {
+                self.unshared = Some(chain.full_blocks().to_vec());
+            }
+        } else {
+            match router.share_placement(s, &routed, chain.full_blocks()) {
+                Ok(true) => vm.stats.inc(h, Counter::PeerPlacementsShared),
+                Ok(false) => {}
+                Err(_) => vm.stats.inc(h, Counter::PeerErrors),
+            }
         }
         Ok(routed)
     }

@@ -1692,3 +1692,58 @@ fn the_peer_path_is_off_unless_configured() {
     assert_eq!(f.on_request_headers(&h, true), Action::Continue);
     assert!(h.sent.borrow().is_empty());
 }
+
+#[test]
+fn a_streamed_placement_is_shared_once_the_picked_endpoint_answers() {
+    let h = FakeHost::new();
+    let a = vm(&h, PEERS);
+    let streamed = |who: &str| {
+        serde_json::json!({
+            "model": "m",
+            "stream": true,
+            "messages": [
+                {"role": "system", "content": format!("You are the assistant of tenant {who}. ").repeat(100)},
+                {"role": "user", "content": "q"},
+            ],
+        })
+        .to_string()
+        .into_bytes()
+    };
+    let shared = |h: &FakeHost| {
+        let (_, body) = ask_peer(h, &a, 0);
+        crate::peers::PlacementBatch::from_json(&body)
+            .unwrap()
+            .placements
+            .len()
+    };
+    // Refused (503): the placement is never told.
+    let (mut f, _) = send(&h, &a, CHAT, &streamed("one"));
+    assert_eq!(h.metric("tokenaware_decisions_cold"), 1);
+    assert_eq!(shared(&h), 0, "told before the answer");
+    h.set_response_status(503);
+    f.on_response_headers(&h, true);
+    f.on_log(&h);
+    assert_eq!(shared(&h), 0);
+    // Served by a fallback after a retry: the picked endpoint never saw it.
+    let (mut f, _) = send(&h, &a, CHAT, &streamed("two"));
+    *h.upstream.borrow_mut() = Some("10.9.9.9:1".into());
+    respond(&h, &mut f, b"data: [DONE]\n\n");
+    assert_eq!(shared(&h), 0);
+    // The picked endpoint answers: told at its headers.
+    *h.upstream.borrow_mut() = None;
+    let (mut f, _) = send(&h, &a, CHAT, &streamed("three"));
+    h.set_response_status(200);
+    f.on_response_headers(&h, false);
+    assert_eq!(shared(&h), 1);
+    f.on_log(&h);
+    assert_eq!(h.metric("tokenaware_peer_placements_shared"), 1);
+    // Not streamed: told at once, since its answer comes whole at the end.
+    let (mut f, _) = send(
+        &h,
+        &a,
+        CHAT,
+        &chat("You are a tenant of four. ".repeat(100).as_str(), "q"),
+    );
+    assert_eq!(shared(&h), 2);
+    respond(&h, &mut f, b"{}");
+}

@@ -904,7 +904,11 @@ async fn replicas_read_from_one_cluster_learn_each_others_placements() {
     };
     let (a, b) = (&envoys[0], &envoys[1]);
     for (g, (from, to)) in [(a, b), (b, a)].into_iter().enumerate() {
-        let first = post_chat(&http, from, chat(&system(g, 40_000), "q0")).await;
+        // The second group's first request is streamed: its placement is told to the peer
+        // once the endpoint's answer begins, not at the decision.
+        let mut body: Value = serde_json::from_str(&chat(&system(g, 40_000), "q0")).unwrap();
+        body["stream"] = json!(g == 1);
+        let first = post_chat(&http, from, body.to_string()).await;
         assert!(first.decision.contains("reason=cold"), "{}", first.decision);
         wait_for_stat(to, "peer_placements_learned", 1).await;
         let second = post_chat(&http, to, chat(&system(g, 40_000), "q1")).await;
