@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 
 use super::host::{Host, HostError, Level};
 use super::http::{DESTINATION, PEER_TOKEN};
-use super::root::{cluster_hosts, Call};
+use super::root::{cluster_hosts, clusters_path, Call};
 use super::stats::Counter;
 use super::vm::Vm;
 use crate::config::{PeersConfig, MAX_PEERS};
@@ -107,7 +107,8 @@ impl PeerPoller {
         now: u64,
         calls: &mut HashMap<u32, (Call, u64)>,
     ) {
-        let Some(admin) = p.admin_cluster.as_deref().filter(|_| p.cluster.is_some()) else {
+        let (Some(admin), Some(cluster)) = (p.admin_cluster.as_deref(), p.cluster.as_deref())
+        else {
             return;
         };
         let busy = calls.values().any(|(c, _)| *c == Call::PeerMembers);
@@ -115,9 +116,10 @@ impl PeerPoller {
             return;
         }
         self.next_members_ms = now + MEMBERS_INTERVAL_MS;
+        let path = clusters_path(cluster);
         let hdrs = [
             (":method", "GET"),
-            (":path", "/clusters?format=json"),
+            (":path", path.as_str()),
             (":authority", "envoy-admin"),
         ];
         if let Ok(token) = h.dispatch(admin, &hdrs, p.timeout_ms.max(1_000)) {

@@ -276,9 +276,10 @@ impl Root {
             return;
         }
         self.next_discovery_ms = now + d.interval_ms;
+        let path = clusters_path(&d.model_cluster);
         let hdrs = [
             (":method", "GET"),
-            (":path", "/clusters?format=json"),
+            (":path", path.as_str()),
             (":authority", "envoy-admin"),
         ];
         match h.dispatch(&d.admin_cluster, &hdrs, d.interval_ms.clamp(100, 5_000)) {
@@ -715,6 +716,32 @@ fn call_status<H: Host>(h: &H) -> u32 {
         .flatten()
         .and_then(|v| std::str::from_utf8(&v).ok()?.parse().ok())
         .unwrap_or(0)
+}
+
+/// Admin's `/clusters?format=json` for cluster `name` alone: its `filter` parameter (an RE2
+/// regex on cluster names) is the name, anchored and escaped. A mesh gateway holds a
+/// cluster for every service it can reach, and the whole list runs to megabytes: more
+/// than `MAX_CLUSTERS_BYTES`, and a large tree to parse in the VM each time. An Envoy
+/// without `filter` ignores it and answers the whole list, which `cluster_hosts` reads as
+/// well.
+pub(super) fn clusters_path(name: &str) -> String {
+    let mut regex = String::from("^");
+    for c in name.chars() {
+        if "\\.+*?()|[]{}^$".contains(c) {
+            regex.push('\\');
+        }
+        regex.push(c);
+    }
+    regex.push('$');
+    let mut path = String::from("/clusters?format=json&filter=");
+    for b in regex.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            path.push(char::from(b));
+        } else {
+            path.push_str(&format!("%{b:02X}"));
+        }
+    }
+    path
 }
 
 /// Hosts of cluster `want` in admin `/clusters?format=json`, with Envoy's health.

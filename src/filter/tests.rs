@@ -1550,7 +1550,7 @@ fn replicas_read_from_one_cluster_are_each_asked_and_this_one_is_left_out() {
     assert_eq!(calls.len(), 1);
     assert_eq!(
         (calls[0].cluster.as_str(), path_of(&calls[0])),
-        ("admin", "/clusters?format=json")
+        ("admin", "/clusters?format=json&filter=%5Egateways%24")
     );
     let hosts: Vec<serde_json::Value> = [1, 2]
         .iter()
@@ -1746,4 +1746,37 @@ fn a_streamed_placement_is_shared_once_the_picked_endpoint_answers() {
     );
     assert_eq!(shared(&h), 2);
     respond(&h, &mut f, b"{}");
+}
+
+#[test]
+fn admin_is_asked_for_the_one_cluster_wanted() {
+    use super::root::clusters_path;
+    // Regex metacharacters escaped, the whole anchored, then percent-encoded.
+    assert_eq!(
+        clusters_path("outbound|8000||vllm.models.svc.cluster.local"),
+        "/clusters?format=json&filter=%5Eoutbound%5C%7C8000%5C%7C%5C%7Cvllm%5C.models%5C.svc%5C.cluster%5C.local%24"
+    );
+    assert_eq!(
+        clusters_path("httproute/models/llm/rule/0"),
+        "/clusters?format=json&filter=%5Ehttproute%2Fmodels%2Fllm%2Frule%2F0%24"
+    );
+    assert_eq!(
+        clusters_path("a+b(c)*"),
+        "/clusters?format=json&filter=%5Ea%5C%2Bb%5C%28c%5C%29%5C%2A%24"
+    );
+    // Discovery asks for the model cluster alone.
+    let h = FakeHost::new();
+    let cfg = r#"{"discovery":{"adminCluster":"admin","modelCluster":"outbound|8000||m"}}"#;
+    let mut r = match Root::configure(&h, cfg.as_bytes(), 1) {
+        Ok(r) => r,
+        Err(e) => panic!("{e}"),
+    };
+    r.on_tick(&h);
+    let calls = h.take_dispatched();
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(calls[0].cluster, "admin");
+    assert_eq!(
+        path_of(&calls[0]),
+        "/clusters?format=json&filter=%5Eoutbound%5C%7C8000%5C%7C%5C%7Cm%24"
+    );
 }

@@ -1012,6 +1012,30 @@ fn envoy_gateway_example_serves_a_200_kb_prompt() {
 /// Istio's gateway listeners keep Envoy's 1 MiB per connection (unless the EDGE profile
 /// lowers it): a 1.5 MB prompt gets Envoy's 413 unless the virtual host's body buffer is
 /// raised.
+/// A mesh gateway holds a cluster for every service it can reach: with 4,000 of them,
+/// admin's whole `/clusters?format=json` runs past the 4 MiB the filter reads. Discovery
+/// asks for the model cluster alone, so it still finds its endpoints and routes.
+#[test]
+fn istio_discovery_finds_its_cluster_among_thousands() {
+    if !have_envoy() {
+        return;
+    }
+    let mut boot = istio_bootstrap(&istio_filter(), &istio_clusters(), &wasm_path());
+    let clusters = boot["static_resources"]["clusters"].as_array_mut().unwrap();
+    for i in 0..4_000u16 {
+        let name = format!("outbound|8080||svc-{i}.ns-{}.svc.cluster.local", i % 40);
+        clusters.push(json!({
+            "name": name,
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "load_assignment": { "cluster_name": name, "endpoints": [{ "lb_endpoints": [
+                endpoint(&format!("10.{}.{}.{}", i / 250, i % 250, 7), 8080)] }] },
+        }));
+    }
+    let (status, routed, too_large) = serve_prompt(boot, ISTIO_MODEL_CLUSTER, 10_000);
+    assert_eq!((status, routed, too_large), (Some(200), 1, 0));
+}
+
 #[test]
 fn istio_example_serves_a_1_5_mb_prompt() {
     if !have_envoy() {
