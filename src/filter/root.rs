@@ -109,6 +109,8 @@ pub struct Root {
     generation: u64,
     /// Whom `peers` asks, and from where (in shared data: see `peers::PeerCursors`).
     peers: PeerPoller,
+    /// Discovery calls failed in a row (for the log's rate limit).
+    discovery_failures: u64,
 }
 
 impl Root {
@@ -142,6 +144,7 @@ impl Root {
             claim_generation(h, &vm.keys.config, xxhash_rust::xxh3::xxh3_64(bytes));
         let root = Root {
             peers: PeerPoller::new(&vm.cfg.namespace),
+            discovery_failures: 0,
             generation,
             vm,
             calls: HashMap::new(),
@@ -286,7 +289,14 @@ impl Root {
             Ok(token) => {
                 self.calls.insert(token, (Call::Discovery, now));
             }
-            Err(_) => self.vm.stats.inc(h, Counter::DiscoveryFailed),
+            Err(e) => {
+                let why = format!(
+                    "could not call discovery.adminCluster `{}` ({}): is it a cluster of this Envoy?",
+                    d.admin_cluster,
+                    e.as_str()
+                );
+                self.discovery_failed(h, &why);
+            }
         }
     }
 
@@ -371,22 +381,10 @@ impl Root {
                     self.peers.members_answered(p, body.as_deref());
                 }
             }
-            Call::Discovery => {
-                let found = if ok {
-                    h.call_response_body(body.min(MAX_CLUSTERS_BYTES))
-                        .ok()
-                        .and_then(|b| {
-                            let want = &self.vm.cfg.discovery.as_ref()?.model_cluster;
-                            cluster_hosts(&b, want)
-                        })
-                } else {
-                    None
-                };
-                match found {
-                    Some(found) => self.discovered(h, found),
-                    None => self.vm.stats.inc(h, Counter::DiscoveryFailed),
-                }
-            }
+            Call::Discovery => match self.discovery_answer(h, status, body) {
+                Ok(found) => self.discovered(h, found),
+                Err(why) => self.discovery_failed(h, &why),
+            },
         }
     }
 
@@ -546,8 +544,54 @@ impl Root {
         }
     }
 
+    /// The hosts of `discovery.modelCluster` in admin's answer, or what went wrong.
+    fn discovery_answer<H: Host>(
+        &self,
+        h: &H,
+        status: u32,
+        body: usize,
+    ) -> Result<Vec<(String, bool)>, String> {
+        let Some(d) = self.vm.cfg.discovery.as_ref() else {
+            return Err("discovery is off".into());
+        };
+        if status != 200 {
+            return Err(match status {
+                0 => format!(
+                    "discovery.adminCluster `{}` did not answer",
+                    d.admin_cluster
+                ),
+                s => format!("discovery.adminCluster `{}` answered {s}", d.admin_cluster),
+            });
+        }
+        let text = h
+            .call_response_body(body.min(MAX_CLUSTERS_BYTES))
+            .map_err(|e| format!("admin's /clusters answer unreadable ({})", e.as_str()))?;
+        cluster_hosts(&text, &d.model_cluster).ok_or_else(|| {
+            format!(
+                "admin's /clusters lists no cluster named `{}` (discovery.modelCluster), or is not JSON",
+                d.model_cluster
+            )
+        })
+    }
+
+    /// Counts a failed discovery, and says why in the log: the first time, then every
+    /// power of two in a row (a wrong cluster name fails every interval, and only the
+    /// operator can mend it). Requests meanwhile route among the endpoints last known.
+    fn discovery_failed<H: Host>(&mut self, h: &H, why: &str) {
+        self.vm.stats.inc(h, Counter::DiscoveryFailed);
+        self.discovery_failures = self.discovery_failures.saturating_add(1);
+        if self.discovery_failures.is_power_of_two() {
+            let n = self.discovery_failures;
+            h.log(
+                Level::Warn,
+                &format!("tokenaware: discovery failed ({n} in a row): {why}"),
+            );
+        }
+    }
+
     fn discovered<H: Host>(&mut self, h: &H, found: Vec<(String, bool)>) {
         self.vm.stats.inc(h, Counter::DiscoveryOk);
+        self.discovery_failures = 0;
         let down: HashSet<String> = found
             .iter()
             .filter(|(_, ok)| !ok)

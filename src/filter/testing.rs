@@ -41,6 +41,8 @@ pub struct FakeHost {
     pub headers_locked: Cell<bool>,
     /// Make every shared-data access fail.
     pub store_down: Cell<bool>,
+    /// Clusters this "Envoy" does not have: calls to them fail at once, as Envoy's do.
+    pub unknown_clusters: RefCell<Vec<String>>,
     /// What `vm_memory` answers (set it before each "VM"'s tick).
     pub vm_memory: Cell<Option<VmMemory>>,
     /// Every hostcall made, by name (shared-data reads and writes as `get` and `set`).
@@ -309,6 +311,9 @@ impl Host for FakeHost {
         timeout_ms: u64,
     ) -> Result<u32, HostError> {
         self.count("dispatch");
+        if self.unknown_clusters.borrow().iter().any(|c| c == cluster) {
+            return Err(HostError::BadArgument);
+        }
         let token = self.next_token.get() + 1;
         self.next_token.set(token);
         self.dispatched.borrow_mut().push(Dispatched {

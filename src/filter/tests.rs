@@ -1780,3 +1780,64 @@ fn admin_is_asked_for_the_one_cluster_wanted() {
         "/clusters?format=json&filter=%5Eoutbound%5C%7C8000%5C%7C%5C%7Cm%24"
     );
 }
+
+#[test]
+fn a_discovery_that_keeps_failing_says_why_in_the_log() {
+    let h = FakeHost::new();
+    let json = r#"{"discovery":{"adminCluster":"admin","modelCluster":"models","intervalMs":100},"statsFlushMs":0}"#;
+    let mut r = match Root::configure(&h, json.as_bytes(), 1) {
+        Ok(r) => r,
+        Err(e) => panic!("{e}"),
+    };
+    let warnings = |h: &FakeHost| -> Vec<String> {
+        let logs = h.logs.borrow();
+        logs.iter()
+            .filter(|(l, m)| *l == Level::Warn && m.contains("discovery failed"))
+            .map(|(_, m)| m.clone())
+            .collect()
+    };
+    // Admin lists other clusters only (a misspelled modelCluster), five times in a row:
+    // logged the first, second and fourth time, naming the field and the name looked for.
+    let others = r#"{"cluster_statuses":[{"name":"modelz","host_statuses":[]}]}"#;
+    for _ in 0..5 {
+        h.now.set(h.now.get() + 200);
+        r.on_tick(&h);
+        let calls = h.take_dispatched();
+        assert_eq!(calls.len(), 1);
+        h.set_call_answer(Some(200), others.as_bytes());
+        r.on_call_response(&h, calls[0].token, 4, others.len());
+    }
+    let w = warnings(&h);
+    assert_eq!(w.len(), 3, "{w:?}");
+    assert!(
+        w[0].contains("`models`") && w[0].contains("discovery.modelCluster"),
+        "{w:?}"
+    );
+    assert!(w[2].contains("4 in a row"), "{w:?}");
+    // Found: the count starts again. Then admin answers 503, and the admin cluster goes.
+    let found = r#"{"cluster_statuses":[{"name":"models","host_statuses":[]}]}"#;
+    h.now.set(h.now.get() + 200);
+    r.on_tick(&h);
+    let calls = h.take_dispatched();
+    h.set_call_answer(Some(200), found.as_bytes());
+    r.on_call_response(&h, calls[0].token, 4, found.len());
+    assert_eq!(h.metric("tokenaware_discovery_ok"), 1);
+    h.now.set(h.now.get() + 200);
+    r.on_tick(&h);
+    let calls = h.take_dispatched();
+    h.set_call_answer(Some(503), b"");
+    r.on_call_response(&h, calls[0].token, 1, 0);
+    let w = warnings(&h);
+    assert_eq!(w.len(), 4, "{w:?}");
+    assert!(
+        w[3].contains("1 in a row") && w[3].contains("answered 503"),
+        "{w:?}"
+    );
+    h.unknown_clusters.borrow_mut().push("admin".into());
+    h.now.set(h.now.get() + 200);
+    r.on_tick(&h);
+    let w = warnings(&h);
+    assert_eq!(w.len(), 5, "{w:?}");
+    assert!(w[4].contains("discovery.adminCluster `admin`"), "{w:?}");
+    assert_eq!(h.metric("tokenaware_discovery_failed"), 7);
+}

@@ -246,6 +246,14 @@ async fn an_unreachable_admin_cluster_falls_back_without_hanging() {
     }
     assert_eq!(served.len(), 3, "round robin: {served:?}");
     assert_eq!(gw.stat("tokenaware_discovery_ok"), 0);
+    // Envoy's log says why, naming the admin cluster.
+    let log = gw.envoy.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("tokenaware: discovery failed")
+                && l.contains("discovery.adminCluster `admin`")),
+        "{log}"
+    );
     drop(gw);
     // A static list as well: routed from it while discovery keeps failing.
     let gw = start_with(
