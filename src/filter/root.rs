@@ -327,7 +327,14 @@ impl Root {
                         .insert(token, (Call::Metrics(e.address.clone()), now));
                     self.polling.insert(e.address.clone());
                 }
-                Err(_) => self.poll_failed(h, &e.address),
+                Err(err) => {
+                    let why = format!(
+                        "could not call metrics.cluster `{}` ({})",
+                        m.cluster,
+                        err.as_str()
+                    );
+                    self.poll_failed(h, &e.address, &why);
+                }
             }
         }
     }
@@ -355,14 +362,18 @@ impl Root {
             Call::Metrics(address) => {
                 self.polling.remove(&address);
                 if !ok {
-                    return self.poll_failed(h, &address);
+                    let why = match status {
+                        0 => "no answer".to_string(),
+                        s => format!("status {s}"),
+                    };
+                    return self.poll_failed(h, &address, &why);
                 }
                 match h.call_response_body(body.min(MAX_METRICS_BYTES)) {
                     Ok(text) => {
                         let m = parse_metrics(&text, MAX_METRICS_BYTES);
                         self.poll_ok(h, &address, &m);
                     }
-                    Err(_) => self.poll_failed(h, &address),
+                    Err(e) => self.poll_failed(h, &address, e.as_str()),
                 }
             }
             Call::Peer(target) => {
@@ -527,14 +538,17 @@ impl Root {
         }
     }
 
-    fn poll_failed<H: Host>(&mut self, h: &H, address: &str) {
+    /// A failed metrics poll (`why`: what the last one met, for the log).
+    fn poll_failed<H: Host>(&mut self, h: &H, address: &str, why: &str) {
         self.vm.stats.inc(h, Counter::PollsFailed);
         let n = self.failures.entry(address.to_string()).or_insert(0);
         *n = n.saturating_add(1);
         if *n == UNHEALTHY_AFTER {
             h.log(
                 Level::Warn,
-                &format!("tokenaware: {address} failed {UNHEALTHY_AFTER} polls; out of rotation"),
+                &format!(
+                    "tokenaware: {address} failed {UNHEALTHY_AFTER} polls ({why}); out of rotation"
+                ),
             );
             let _ = self.update_table(h, |t| {
                 if let Some(e) = t.get_mut(address) {

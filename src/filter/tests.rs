@@ -580,6 +580,13 @@ fn failed_polls_take_an_endpoint_out_of_rotation() {
         assert_eq!(healthy, round == 0, "round {round}");
     }
     assert_eq!(h.metric("tokenaware_polls_failed"), 2);
+    // The log names the endpoint and what its polls met.
+    assert!(
+        h.logs.borrow().iter().any(|(l, m)| *l == Level::Warn
+            && m.contains("8002 failed 2 polls (no answer); out of rotation")),
+        "{:?}",
+        h.logs.borrow()
+    );
     for q in 0..10 {
         let (mut f, _) = send(&h, &vm, CHAT, &chat(&format!("s{q}"), "q"));
         assert!(!h.header_values(DESTINATION)[0].contains("8002"));
