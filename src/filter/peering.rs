@@ -35,6 +35,8 @@ pub struct PeerPoller {
     refusals: u64,
     /// Replicas whose last answer stopped at an entry numbered but not written.
     gaps: HashSet<String>,
+    /// Polls failed in a row, per replica (for the log's rate limit).
+    failing: HashMap<String, u64>,
 }
 
 impl PeerPoller {
@@ -47,6 +49,7 @@ impl PeerPoller {
             selves: HashSet::new(),
             refusals: 0,
             gaps: HashSet::new(),
+            failing: HashMap::new(),
         }
     }
 
@@ -141,6 +144,7 @@ impl PeerPoller {
         members.truncate(MAX_PEERS);
         self.selves.retain(|s| members.contains(s));
         self.gaps.retain(|s| members.contains(s));
+        self.failing.retain(|s, _| members.contains(s));
         self.members = members;
     }
 
@@ -158,8 +162,10 @@ impl PeerPoller {
             self.refused(h, &t);
         }
         let Some(batch) = body.as_deref().and_then(PlacementBatch::from_json) else {
+            self.failed(h, &t, status);
             return vm.stats.inc(h, Counter::PeerPollsFailed);
         };
+        self.failing.remove(&t.name);
         vm.stats.inc(h, Counter::PeerPollsOk);
         let Ok(r) = vm.router.try_borrow() else {
             return;
@@ -201,6 +207,29 @@ impl PeerPoller {
             vm.stats.inc(h, Counter::PeerGapsSkipped);
         }
         next
+    }
+
+    /// A poll of `t` that brought no placements: say so in the log the first time, then at
+    /// every power of two in a row (a replica starting, or gone for good, is a line or two,
+    /// not one each poll). A refusal has its own line (`refused`).
+    fn failed<H: Host>(&mut self, h: &H, t: &PeerTarget, status: u32) {
+        let n = self.failing.entry(t.name.clone()).or_insert(0);
+        *n = n.saturating_add(1);
+        if status == 403 || !n.is_power_of_two() {
+            return;
+        }
+        let why = match status {
+            0 => "no answer".to_string(),
+            200 => "an answer that is not one".to_string(),
+            s => format!("status {s}"),
+        };
+        h.log(
+            Level::Warn,
+            &format!(
+                "tokenaware: peer {}: poll failed ({why}), {n} in a row; its placements are not learned meanwhile",
+                t.name
+            ),
+        );
     }
 
     /// A replica that refuses the poll (403) holds another token: say so in the log (the

@@ -1848,3 +1848,57 @@ fn a_discovery_that_keeps_failing_says_why_in_the_log() {
     assert!(w[4].contains("discovery.adminCluster `admin`"), "{w:?}");
     assert_eq!(h.metric("tokenaware_discovery_failed"), 7);
 }
+
+#[test]
+fn a_peer_whose_polls_keep_failing_is_named_in_the_log_now_and_then() {
+    let h = FakeHost::new();
+    let mut r = root(&h, PEERS, 2);
+    let warned = |h: &FakeHost| -> Vec<String> {
+        let logs = h.logs.borrow();
+        logs.iter()
+            .filter(|(l, m)| *l == Level::Warn && m.contains("peer gateway_b: poll failed"))
+            .map(|(_, m)| m.clone())
+            .collect()
+    };
+    let poll = |h: &FakeHost, r: &mut Root, answer: Option<(u32, &[u8])>| {
+        h.now.set(h.now.get() + 200);
+        r.on_tick(h);
+        let calls = h.take_dispatched();
+        assert_eq!(calls.len(), 1);
+        match answer {
+            Some((status, body)) => {
+                h.set_call_answer(Some(status), body);
+                r.on_call_response(h, calls[0].token, 3, body.len());
+            }
+            None => {
+                h.set_call_answer(None, b"");
+                r.on_call_response(h, calls[0].token, 0, 0);
+            }
+        }
+    };
+    // Five failures in a row: logged at the first, second and fourth.
+    for _ in 0..5 {
+        poll(&h, &mut r, Some((503, b"upstream connect error")));
+    }
+    let w = warned(&h);
+    assert_eq!(w.len(), 3, "{w:?}");
+    assert!(
+        w[0].contains("status 503") && w[0].contains("1 in a row"),
+        "{w:?}"
+    );
+    assert!(w[2].contains("4 in a row"), "{w:?}");
+    // An answer starts the count again; the next failure is logged at once.
+    poll(
+        &h,
+        &mut r,
+        Some((200, br#"{"next":0,"ring":7,"placements":[]}"#)),
+    );
+    poll(&h, &mut r, None);
+    let w = warned(&h);
+    assert_eq!(w.len(), 4, "{w:?}");
+    assert!(
+        w[3].contains("no answer") && w[3].contains("1 in a row"),
+        "{w:?}"
+    );
+    assert_eq!(h.metric("tokenaware_peer_polls_failed"), 6);
+}
