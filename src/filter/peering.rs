@@ -37,6 +37,8 @@ pub struct PeerPoller {
     gaps: HashSet<String>,
     /// Polls failed in a row, per replica (for the log's rate limit).
     failing: HashMap<String, u64>,
+    /// Reads of `peers.cluster`'s hosts failed in a row (likewise).
+    members_failures: u64,
 }
 
 impl PeerPoller {
@@ -50,6 +52,7 @@ impl PeerPoller {
             refusals: 0,
             gaps: HashSet::new(),
             failing: HashMap::new(),
+            members_failures: 0,
         }
     }
 
@@ -125,19 +128,56 @@ impl PeerPoller {
             (":path", path.as_str()),
             (":authority", "envoy-admin"),
         ];
-        if let Ok(token) = h.dispatch(admin, &hdrs, p.timeout_ms.max(1_000)) {
-            calls.insert(token, (Call::PeerMembers, now));
+        match h.dispatch(admin, &hdrs, p.timeout_ms.max(1_000)) {
+            Ok(token) => {
+                calls.insert(token, (Call::PeerMembers, now));
+            }
+            Err(e) => {
+                let why = format!(
+                    "could not call peers.adminCluster `{admin}` ({})",
+                    e.as_str()
+                );
+                self.members_failed(h, &why);
+            }
         }
     }
 
-    /// Admin's `/clusters`: the hosts of `peers.cluster` become the replicas asked.
-    pub fn members_answered(&mut self, p: &PeersConfig, body: Option<&[u8]>) {
-        let (Some(cluster), Some(body)) = (p.cluster.as_deref(), body) else {
+    /// The replicas could not be read (the last ones known are still asked): say why in
+    /// the log, the first time and at every power of two in a row.
+    fn members_failed<H: Host>(&mut self, h: &H, why: &str) {
+        self.members_failures = self.members_failures.saturating_add(1);
+        let n = self.members_failures;
+        if n.is_power_of_two() {
+            h.log(
+                Level::Warn,
+                &format!("tokenaware: peers: reading the replicas failed ({n} in a row): {why}"),
+            );
+        }
+    }
+
+    /// Admin's `/clusters` (`status` 0 when it did not answer): the hosts of `peers.cluster`
+    /// become the replicas asked. When they cannot be read, the last ones are kept and the
+    /// log says why, the first time and at every power of two in a row.
+    pub fn members_answered<H: Host>(
+        &mut self,
+        h: &H,
+        p: &PeersConfig,
+        status: u32,
+        body: Option<&[u8]>,
+    ) {
+        let (Some(cluster), Some(admin)) = (p.cluster.as_deref(), p.admin_cluster.as_deref())
+        else {
             return;
         };
-        let Some(hosts) = cluster_hosts(body, cluster) else {
-            return;
+        let Some(hosts) = body.and_then(|b| cluster_hosts(b, cluster)) else {
+            let why = match status {
+                200 => format!("lists no cluster named `{cluster}` (peers.cluster)"),
+                0 => "did not answer".to_string(),
+                s => format!("answered {s}"),
+            };
+            return self.members_failed(h, &format!("peers.adminCluster `{admin}` {why}"));
         };
+        self.members_failures = 0;
         let mut members: Vec<String> = hosts.into_iter().map(|(a, _)| a).collect();
         members.sort();
         members.dedup();

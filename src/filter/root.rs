@@ -389,7 +389,7 @@ impl Root {
                     false => None,
                 };
                 if let Some(p) = self.vm.cfg.peers.as_ref() {
-                    self.peers.members_answered(p, body.as_deref());
+                    self.peers.members_answered(h, p, status, body.as_deref());
                 }
             }
             Call::Discovery => match self.discovery_answer(h, status, body) {

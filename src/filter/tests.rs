@@ -1902,3 +1902,46 @@ fn a_peer_whose_polls_keep_failing_is_named_in_the_log_now_and_then() {
     );
     assert_eq!(h.metric("tokenaware_peer_polls_failed"), 6);
 }
+
+#[test]
+fn replicas_that_cannot_be_read_from_admin_are_named_in_the_log() {
+    let peers = format!(
+        r#","peers":{{"cluster":"gateways","adminCluster":"admin","intervalMs":100,"token":"{PEER_SECRET}"}}"#
+    );
+    let h = FakeHost::new();
+    let mut r = root(&h, &peers, 2);
+    let warned = |h: &FakeHost| -> Vec<String> {
+        let logs = h.logs.borrow();
+        logs.iter()
+            .filter(|(l, m)| *l == Level::Warn && m.contains("reading the replicas failed"))
+            .map(|(_, m)| m.clone())
+            .collect()
+    };
+    // Admin lists no cluster of that name (a misspelled peers.cluster), three times.
+    let others = r#"{"cluster_statuses":[{"name":"gateway","host_statuses":[]}]}"#;
+    for _ in 0..3 {
+        r.on_tick(&h);
+        let calls = h.take_dispatched();
+        assert_eq!(calls.len(), 1, "{calls:?}");
+        h.set_call_answer(Some(200), others.as_bytes());
+        r.on_call_response(&h, calls[0].token, 4, others.len());
+        h.now.set(h.now.get() + super::peering::MEMBERS_INTERVAL_MS);
+    }
+    let w = warned(&h);
+    assert_eq!(w.len(), 2, "{w:?}");
+    assert!(
+        w[0].contains("no cluster named `gateways` (peers.cluster)") && w[0].contains("`admin`"),
+        "{w:?}"
+    );
+    assert!(w[1].contains("2 in a row"), "{w:?}");
+    // An admin cluster Envoy does not have: said at the fourth failure in a row.
+    h.unknown_clusters.borrow_mut().push("admin".into());
+    r.on_tick(&h);
+    let w = warned(&h);
+    assert_eq!(w.len(), 3, "{w:?}");
+    assert!(
+        w[2].contains("could not call peers.adminCluster `admin`"),
+        "{w:?}"
+    );
+    assert_eq!(h.metric("tokenaware_peers"), 0);
+}
