@@ -77,6 +77,15 @@ fn respond(h: &FakeHost, f: &mut HttpFilter, body: &[u8]) {
     f.on_log(h);
 }
 
+/// The warnings logged so far that contain `text`.
+fn warnings_with(h: &FakeHost, text: &str) -> Vec<String> {
+    let logs = h.logs.borrow();
+    logs.iter()
+        .filter(|(l, m)| *l == Level::Warn && m.contains(text))
+        .map(|(_, m)| m.clone())
+        .collect()
+}
+
 fn loads(h: &FakeHost, vm: &Vm) -> Vec<Load> {
     let router = vm.router.borrow();
     (0..3)
@@ -1525,13 +1534,7 @@ fn a_peer_that_refuses_the_token_is_named_in_the_log() {
         r.on_call_response(&h, calls[0].token, 3, 21);
     }
     assert_eq!(h.metric("tokenaware_peer_polls_failed"), 3);
-    let warned: Vec<String> = h
-        .logs
-        .borrow()
-        .iter()
-        .filter(|(l, m)| *l == Level::Warn && m.contains("gateway_b"))
-        .map(|(_, m)| m.clone())
-        .collect();
+    let warned = warnings_with(&h, "gateway_b");
     // The first refusal and the second (powers of two), not the third.
     assert_eq!(warned.len(), 2, "{warned:?}");
     assert!(warned[0].contains("peers.token"));
@@ -1796,13 +1799,7 @@ fn a_discovery_that_keeps_failing_says_why_in_the_log() {
         Ok(r) => r,
         Err(e) => panic!("{e}"),
     };
-    let warnings = |h: &FakeHost| -> Vec<String> {
-        let logs = h.logs.borrow();
-        logs.iter()
-            .filter(|(l, m)| *l == Level::Warn && m.contains("discovery failed"))
-            .map(|(_, m)| m.clone())
-            .collect()
-    };
+    let warnings = |h: &FakeHost| warnings_with(h, "discovery failed");
     // Admin lists other clusters only (a misspelled modelCluster), five times in a row:
     // logged the first, second and fourth time, naming the field and the name looked for.
     let others = r#"{"cluster_statuses":[{"name":"modelz","host_statuses":[]}]}"#;
@@ -1853,13 +1850,7 @@ fn a_discovery_that_keeps_failing_says_why_in_the_log() {
 fn a_peer_whose_polls_keep_failing_is_named_in_the_log_now_and_then() {
     let h = FakeHost::new();
     let mut r = root(&h, PEERS, 2);
-    let warned = |h: &FakeHost| -> Vec<String> {
-        let logs = h.logs.borrow();
-        logs.iter()
-            .filter(|(l, m)| *l == Level::Warn && m.contains("peer gateway_b: poll failed"))
-            .map(|(_, m)| m.clone())
-            .collect()
-    };
+    let warned = |h: &FakeHost| warnings_with(h, "peer gateway_b: poll failed");
     let poll = |h: &FakeHost, r: &mut Root, answer: Option<(u32, &[u8])>| {
         h.now.set(h.now.get() + 200);
         r.on_tick(h);
@@ -1910,13 +1901,7 @@ fn replicas_that_cannot_be_read_from_admin_are_named_in_the_log() {
     );
     let h = FakeHost::new();
     let mut r = root(&h, &peers, 2);
-    let warned = |h: &FakeHost| -> Vec<String> {
-        let logs = h.logs.borrow();
-        logs.iter()
-            .filter(|(l, m)| *l == Level::Warn && m.contains("reading the replicas failed"))
-            .map(|(_, m)| m.clone())
-            .collect()
-    };
+    let warned = |h: &FakeHost| warnings_with(h, "reading the replicas failed");
     // Admin lists no cluster of that name (a misspelled peers.cluster), three times.
     let others = r#"{"cluster_statuses":[{"name":"gateway","host_statuses":[]}]}"#;
     for _ in 0..3 {
