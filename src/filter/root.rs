@@ -2,8 +2,8 @@
 //!
 //! The tick fires in every VM (each worker and the main thread), so a lease in shared data
 //! (`{namespace}/lease`: owner and expiry, renewed with CAS) picks one poller per Envoy
-//! process. The poller (a) fetches Envoy's admin `/clusters?format=json` when `discovery` is
-//! set and reconciles the table, (b) fetches each endpoint's `/metrics` through the model
+//! process. The poller (a) fetches Envoy's admin `/clusters?format=json` (for the model
+//! cluster alone, `clusters_path`) when `discovery` is set and reconciles the table, (b) fetches each endpoint's `/metrics` through the model
 //! cluster with `x-gateway-destination-endpoint: ip:port`, so override_host sends the poll to
 //! that one endpoint, at most one poll in flight per endpoint, (c) with learning, writes each
 //! endpoint's learned KV capacity into the index (its share, capped by the fleet's), (d)
