@@ -18,6 +18,7 @@ use super::vm::Vm;
 use crate::estimator::CacheCheck;
 use crate::request::{parse, ApiKind, ParseLimits};
 use crate::router::{FirstByteError, Outcome, RouteError, Routed};
+use crate::store::StoreError;
 
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 pub const DESTINATION_SERVED: &str = "x-gateway-destination-endpoint-served";
@@ -232,11 +233,11 @@ impl HttpFilter {
         let Ok(r) = vm.router.try_borrow() else {
             return vm.stats.inc(h, Counter::PeerErrors);
         };
-        match r.share_placement(&vm.recent.fresh(h), routed, blocks) {
-            Ok(true) => vm.stats.inc(h, Counter::PeerPlacementsShared),
-            Ok(false) => {}
-            Err(_) => vm.stats.inc(h, Counter::PeerErrors),
-        }
+        tell_peers(
+            h,
+            vm,
+            r.share_placement(&vm.recent.fresh(h), routed, blocks),
+        );
     }
 
     pub fn on_response_body<H: Host>(
@@ -430,11 +431,11 @@ impl HttpFilter {
                 self.unshared = Some(chain.full_blocks().to_vec());
             }
         } else {
-            match router.share_placement(s, &routed, chain.full_blocks()) {
-                Ok(true) => vm.stats.inc(h, Counter::PeerPlacementsShared),
-                Ok(false) => {}
-                Err(_) => vm.stats.inc(h, Counter::PeerErrors),
-            }
+            tell_peers(
+                h,
+                vm,
+                router.share_placement(s, &routed, chain.full_blocks()),
+            );
         }
         Ok(routed)
     }
@@ -485,6 +486,15 @@ fn answer_peer<H: Host>(h: &H, vm: &Vm, path: &str) -> Action {
 /// Whether the picked endpoint still holds the slot it was charged on. Discovery clears a
 /// departed endpoint's slot and may give it to a new endpoint at once: a request still in
 /// flight on the old one must not return its charge (or undo its index insert) there.
+/// Counts what keeping a placement for `peers` came to.
+fn tell_peers<H: Host>(h: &H, vm: &Vm, kept: Result<bool, StoreError>) {
+    match kept {
+        Ok(true) => vm.stats.inc(h, Counter::PeerPlacementsShared),
+        Ok(false) => {}
+        Err(_) => vm.stats.inc(h, Counter::PeerErrors),
+    }
+}
+
 fn slot_is_ours<H: Host>(h: &H, vm: &Vm, routed: &Routed) -> bool {
     // Without discovery the table never changes hands: skip the lookup.
     if vm.cfg.discovery.is_none() {

@@ -23,12 +23,19 @@ fn root(h: &FakeHost, extra: &str, id: u64) -> Root {
     } else {
         r#","statsFlushMs":0"#
     };
-    let json = format!("{{{EPS}{flush}{extra}}}");
+    configured(h, &format!("{{{EPS}{flush}{extra}}}"), id)
+}
+
+/// A root configured from `json` as VM `id`.
+fn configured(h: &FakeHost, json: &str, id: u64) -> Root {
     match Root::configure(h, json.as_bytes(), id) {
         Ok(r) => r,
         Err(e) => panic!("{e}"),
     }
 }
+
+/// Discovery only, every 100 ms, stats sent at once.
+const DISCOVERY: &str = r#"{"discovery":{"adminCluster":"admin","modelCluster":"models","intervalMs":100},"statsFlushMs":0}"#;
 
 fn vm(h: &FakeHost, extra: &str) -> Rc<Vm> {
     root(h, extra, 7).vm()
@@ -606,11 +613,7 @@ fn failed_polls_take_an_endpoint_out_of_rotation() {
 #[test]
 fn discovery_reconciles_the_table() {
     let h = FakeHost::new();
-    let json = r#"{"discovery":{"adminCluster":"admin","modelCluster":"models","intervalMs":100},"statsFlushMs":0}"#;
-    let mut r = match Root::configure(&h, json.as_bytes(), 1) {
-        Ok(r) => r,
-        Err(e) => panic!("{e}"),
-    };
+    let mut r = configured(&h, DISCOVERY, 1);
     let vm = r.vm();
     let (_, acts) = send(&h, &vm, CHAT, &chat("s", "q"));
     assert_eq!(acts.last(), Some(&Action::Continue));
@@ -927,11 +930,7 @@ fn discover(h: &FakeHost, r: &mut Root, ports: &[u16]) {
 #[test]
 fn a_request_on_a_departed_endpoint_does_not_release_its_successor() {
     let h = FakeHost::new();
-    let json = r#"{"discovery":{"adminCluster":"admin","modelCluster":"models","intervalMs":100},"statsFlushMs":0}"#;
-    let mut r = match Root::configure(&h, json.as_bytes(), 1) {
-        Ok(r) => r,
-        Err(e) => panic!("{e}"),
-    };
+    let mut r = configured(&h, DISCOVERY, 1);
     let vm = r.vm();
     discover(&h, &mut r, &[80]);
     let (mut old, _) = send(&h, &vm, CHAT, &chat("on the old endpoint", "q"));
@@ -1020,10 +1019,7 @@ fn a_new_static_list_replaces_the_stored_table_and_keeps_slots() {
     }
     let slot = vm_a.table(&h).get(&warm).unwrap().slot;
     let json = r#"{"endpoints":[{"address":"127.0.0.1:8002"},{"address":"127.0.0.1:8003"},{"address":"127.0.0.1:8004"}],"decisionHeader":true,"statsFlushMs":0}"#;
-    let b = match Root::configure(&h, json.as_bytes(), 2) {
-        Ok(r) => r,
-        Err(e) => panic!("{e}"),
-    };
+    let b = configured(&h, json, 2);
     let vm_b = b.vm();
     let t = vm_b.table(&h);
     let seen: Vec<(&str, u16)> = t
@@ -1278,10 +1274,7 @@ fn poll_records_of_departed_endpoints_are_dropped() {
     let json = format!(
         r#"{{"discovery":{{"adminCluster":"admin","modelCluster":"models","intervalMs":100}}{METRICS}}}"#
     );
-    let mut r = match Root::configure(&h, json.as_bytes(), 1) {
-        Ok(r) => r,
-        Err(e) => panic!("{e}"),
-    };
+    let mut r = configured(&h, &json, 1);
     for round in 0..40u16 {
         // Two endpoints a round, both new: one answers its polls with counters, the other
         // fails them.
@@ -1777,10 +1770,7 @@ fn admin_is_asked_for_the_one_cluster_wanted() {
     // Discovery asks for the model cluster alone.
     let h = FakeHost::new();
     let cfg = r#"{"discovery":{"adminCluster":"admin","modelCluster":"outbound|8000||m"}}"#;
-    let mut r = match Root::configure(&h, cfg.as_bytes(), 1) {
-        Ok(r) => r,
-        Err(e) => panic!("{e}"),
-    };
+    let mut r = configured(&h, cfg, 1);
     r.on_tick(&h);
     let calls = h.take_dispatched();
     assert_eq!(calls.len(), 1, "{calls:?}");
@@ -1794,11 +1784,7 @@ fn admin_is_asked_for_the_one_cluster_wanted() {
 #[test]
 fn a_discovery_that_keeps_failing_says_why_in_the_log() {
     let h = FakeHost::new();
-    let json = r#"{"discovery":{"adminCluster":"admin","modelCluster":"models","intervalMs":100},"statsFlushMs":0}"#;
-    let mut r = match Root::configure(&h, json.as_bytes(), 1) {
-        Ok(r) => r,
-        Err(e) => panic!("{e}"),
-    };
+    let mut r = configured(&h, DISCOVERY, 1);
     let warnings = |h: &FakeHost| warnings_with(h, "discovery failed");
     // Admin lists other clusters only (a misspelled modelCluster), five times in a row:
     // logged the first, second and fourth time, naming the field and the name looked for.
