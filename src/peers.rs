@@ -120,6 +120,21 @@ impl PlacementLog {
         Ok(seq)
     }
 
+    /// Takes back the placement numbered `seq` (its request failed before the endpoint
+    /// answered): its entry keeps its number and address but loses its blocks, so a peer
+    /// that has not read it yet learns nothing from it. One a peer already read stays
+    /// learned there, as any placement the endpoint later evicts does. Returns whether it
+    /// was still held.
+    pub fn withdraw<S: SharedStore + ?Sized>(&self, s: &S, seq: u64) -> Result<bool, StoreError> {
+        let done = update(s, &self.entry_key(seq), |old| match decode(old) {
+            Some(p) if p.seq == seq && !p.blocks.is_empty() => {
+                Some((encode(seq, &p.address, &[]), ()))
+            }
+            _ => None,
+        })?;
+        Ok(done.is_some())
+    }
+
     /// Names the ring now, if no VM of this process has (`seed`: any value that differs
     /// between processes and restarts). A process that has placed nothing yet then already
     /// answers with its own ring, so a replica polling itself knows itself at once.
@@ -163,6 +178,8 @@ impl PlacementLog {
         while seq < end && bytes < MAX_ANSWER_BYTES {
             let (v, _) = s.get(&self.entry_key(seq))?;
             match v.as_deref().map(decode) {
+                // Withdrawn (`withdraw`): nothing to learn.
+                Some(Some(p)) if p.seq == seq && p.blocks.is_empty() => {}
                 Some(Some(p)) if p.seq == seq => {
                     bytes += 32 + p.address.len() + 17 * p.blocks.len();
                     out.push(p);
@@ -480,6 +497,22 @@ mod tests {
         let b = log.since(&s, at(&log, &s, 0)).unwrap();
         assert_eq!(b.placements.len(), 2);
         assert_eq!(b.next, 2, "the next poll starts at the missing one");
+    }
+
+    #[test]
+    fn a_withdrawn_placement_is_stepped_over() {
+        let (log, s) = log_with(3);
+        assert!(log.withdraw(&s, 1).unwrap());
+        assert!(!log.withdraw(&s, 1).unwrap(), "withdrawn once");
+        let b = log.since(&s, at(&log, &s, 0)).unwrap();
+        let seqs: Vec<u64> = b.placements.iter().map(|p| p.seq).collect();
+        assert_eq!(seqs, [0, 2]);
+        assert_eq!(b.next, 3);
+        // A lap later the slot holds another placement: that one is not taken back.
+        let (log, s) = log_with(LOG_ENTRIES + 2);
+        assert!(!log.withdraw(&s, 1).unwrap());
+        let b = log.since(&s, at(&log, &s, LOG_ENTRIES + 1)).unwrap();
+        assert_eq!(b.placements[0].blocks.len(), 3);
     }
 
     #[test]

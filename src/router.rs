@@ -355,26 +355,39 @@ impl Router {
     }
 
     /// With `peers`, keeps a new copy of a prefix (a cold placement, a spill, a promotion)
-    /// for the peers' next poll. Returns whether one was kept.
+    /// for the peers' next poll. Returns its sequence number when one was kept.
     pub fn share_placement<S: SharedStore + ?Sized>(
         &self,
         s: &S,
         routed: &Routed,
         blocks: &[u64],
-    ) -> Result<bool, StoreError> {
+    ) -> Result<Option<u64>, StoreError> {
         let (Some(log), Some(address)) = (&self.placements, routed.addresses.first()) else {
-            return Ok(false);
+            return Ok(None);
         };
         if !self.shares(routed) || blocks.is_empty() {
-            return Ok(false);
+            return Ok(None);
         }
         // The ring is named at plugin start (`Root::configure`); should that have failed,
         // the first placement names it, and the name must still differ between processes
         // (a replica that reads its own ring takes it for itself): the time and this VM's
         // random sequence.
         let ring_seed = xxhash_rust::xxh64::xxh64(&self.seq.to_le_bytes(), routed.dispatch_ms);
-        log.record(s, address, blocks, ring_seed)?;
-        Ok(true)
+        log.record(s, address, blocks, ring_seed).map(Some)
+    }
+
+    /// Takes back the placement `share_placement` numbered `seq`: its request failed before
+    /// the endpoint answered, as its index insert here is rolled back. Peers that read it
+    /// already keep it. Returns whether it was still held.
+    pub fn withdraw_placement<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        seq: u64,
+    ) -> Result<bool, StoreError> {
+        match &self.placements {
+            Some(log) => log.withdraw(s, seq),
+            None => Ok(false),
+        }
     }
 
     /// Whether `routed` is a placement `peers` are told of: a new copy of its prefix (cold,

@@ -63,6 +63,9 @@ pub struct HttpFilter {
     /// A streamed request's new placement (its block hashes), told to `peers` only once the
     /// picked endpoint has answered.
     unshared: Option<Vec<u64>>,
+    /// The sequence number of the placement told to `peers`, taken back should the request
+    /// fail before the picked endpoint answers.
+    told: Option<u64>,
 }
 
 impl HttpFilter {
@@ -79,6 +82,7 @@ impl HttpFilter {
             tail: Vec::new(),
             prompt_shape: (String::new(), 0),
             unshared: None,
+            told: None,
         }
     }
 
@@ -182,6 +186,8 @@ impl HttpFilter {
         } else {
             if self.check_served_by(h) {
                 self.share_placement(h, unshared.as_deref());
+            } else if let Some(vm) = self.vm.clone() {
+                self.withdraw_placement(h, &vm);
             }
             if end_of_stream {
                 // The whole response is here: `on_log` releases prefill and request together.
@@ -226,18 +232,35 @@ impl HttpFilter {
     }
 
     /// Tells `peers` of a new placement (`blocks`, when there is one to tell).
-    fn share_placement<H: Host>(&self, h: &H, blocks: Option<&[u64]>) {
+    fn share_placement<H: Host>(&mut self, h: &H, blocks: Option<&[u64]>) {
         let (Some(blocks), Some(routed), Some(vm)) = (blocks, &self.routed, &self.vm) else {
             return;
         };
         let Ok(r) = vm.router.try_borrow() else {
             return vm.stats.inc(h, Counter::PeerErrors);
         };
-        tell_peers(
+        self.told = tell_peers(
             h,
             vm,
             r.share_placement(&vm.recent.fresh(h), routed, blocks),
         );
+    }
+
+    /// The request failed before the picked endpoint answered: the placement told to
+    /// `peers` is taken back, as the index insert here is (peers that read it keep it).
+    fn withdraw_placement<H: Host>(&mut self, h: &H, vm: &Vm) {
+        let Some(seq) = self.told.take() else {
+            return;
+        };
+        match vm
+            .router
+            .try_borrow()
+            .map(|r| r.withdraw_placement(&vm.recent.fresh(h), seq))
+        {
+            Ok(Ok(true)) => vm.stats.inc(h, Counter::PeerPlacementsWithdrawn),
+            Ok(Ok(false)) => {}
+            Ok(Err(_)) | Err(_) => vm.stats.inc(h, Counter::PeerErrors),
+        }
     }
 
     pub fn on_response_body<H: Host>(
@@ -276,6 +299,7 @@ impl HttpFilter {
             Outcome::Done
         } else {
             vm.stats.inc(h, Counter::FailedEarly);
+            self.withdraw_placement(h, &vm);
             Outcome::FailedEarly
         };
         // An endpoint that left took its charges with it (its slot was cleared), and what
@@ -431,7 +455,7 @@ impl HttpFilter {
                 self.unshared = Some(chain.full_blocks().to_vec());
             }
         } else {
-            tell_peers(
+            self.told = tell_peers(
                 h,
                 vm,
                 router.share_placement(s, &routed, chain.full_blocks()),
@@ -483,18 +507,24 @@ fn answer_peer<H: Host>(h: &H, vm: &Vm, path: &str) -> Action {
     }
 }
 
-/// Whether the picked endpoint still holds the slot it was charged on. Discovery clears a
-/// departed endpoint's slot and may give it to a new endpoint at once: a request still in
-/// flight on the old one must not return its charge (or undo its index insert) there.
-/// Counts what keeping a placement for `peers` came to.
-fn tell_peers<H: Host>(h: &H, vm: &Vm, kept: Result<bool, StoreError>) {
+/// Counts what keeping a placement for `peers` came to; its sequence number if one was kept.
+fn tell_peers<H: Host>(h: &H, vm: &Vm, kept: Result<Option<u64>, StoreError>) -> Option<u64> {
     match kept {
-        Ok(true) => vm.stats.inc(h, Counter::PeerPlacementsShared),
-        Ok(false) => {}
-        Err(_) => vm.stats.inc(h, Counter::PeerErrors),
+        Ok(Some(seq)) => {
+            vm.stats.inc(h, Counter::PeerPlacementsShared);
+            Some(seq)
+        }
+        Ok(None) => None,
+        Err(_) => {
+            vm.stats.inc(h, Counter::PeerErrors);
+            None
+        }
     }
 }
 
+/// Whether the picked endpoint still holds the slot it was charged on. Discovery clears a
+/// departed endpoint's slot and may give it to a new endpoint at once: a request still in
+/// flight on the old one must not return its charge (or undo its index insert) there.
 fn slot_is_ours<H: Host>(h: &H, vm: &Vm, routed: &Routed) -> bool {
     // Without discovery the table never changes hands: skip the lookup.
     if vm.cfg.discovery.is_none() {

@@ -128,6 +128,9 @@ pub enum Counter {
     PeerPollsFailed,
     /// New placements kept for the peers' polls.
     PeerPlacementsShared,
+    /// Placements kept for the peers and taken back: the request failed before the picked
+    /// endpoint answered.
+    PeerPlacementsWithdrawn,
     /// Peers' placements inserted into this gateway's index.
     PeerPlacementsLearned,
     /// A placement could not be kept for the peers, or a peer's could not be inserted.
@@ -139,7 +142,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 26] = [
+    pub const ALL: [Counter; 27] = [
         Counter::Routed,
         Counter::Released,
         Counter::FailedEarly,
@@ -162,6 +165,7 @@ impl Counter {
         Counter::PeerPollsOk,
         Counter::PeerPollsFailed,
         Counter::PeerPlacementsShared,
+        Counter::PeerPlacementsWithdrawn,
         Counter::PeerPlacementsLearned,
         Counter::PeerErrors,
         Counter::PeerRequestsRefused,
@@ -192,6 +196,7 @@ impl Counter {
             Counter::PeerPollsOk => "tokenaware_peer_polls_ok",
             Counter::PeerPollsFailed => "tokenaware_peer_polls_failed",
             Counter::PeerPlacementsShared => "tokenaware_peer_placements_shared",
+            Counter::PeerPlacementsWithdrawn => "tokenaware_peer_placements_withdrawn",
             Counter::PeerPlacementsLearned => "tokenaware_peer_placements_learned",
             Counter::PeerErrors => "tokenaware_peer_errors",
             Counter::PeerRequestsRefused => "tokenaware_peer_requests_refused",

@@ -1738,6 +1738,9 @@ fn a_streamed_placement_is_shared_once_the_picked_endpoint_answers() {
     h.set_response_status(200);
     f.on_response_headers(&h, false);
     assert_eq!(shared(&h), 1);
+    let chunk = b"data: {}\n\n";
+    *h.response_body.borrow_mut() = chunk.to_vec();
+    f.on_response_body(&h, chunk.len(), true);
     f.on_log(&h);
     assert_eq!(h.metric("tokenaware_peer_placements_shared"), 1);
     // Not streamed: told at once, since its answer comes whole at the end.
@@ -1749,6 +1752,57 @@ fn a_streamed_placement_is_shared_once_the_picked_endpoint_answers() {
     );
     assert_eq!(shared(&h), 2);
     respond(&h, &mut f, b"{}");
+}
+
+#[test]
+fn a_placement_told_before_its_answer_is_taken_back_when_the_request_fails() {
+    let h = FakeHost::new();
+    let a = vm(&h, PEERS);
+    let shared = |h: &FakeHost| {
+        let (_, body) = ask_peer(h, &a, 0);
+        crate::peers::PlacementBatch::from_json(&body)
+            .unwrap()
+            .placements
+            .len()
+    };
+    let tenant = |who: &str| {
+        chat(
+            &format!("You are the assistant of tenant {who}. ").repeat(100),
+            "q",
+        )
+    };
+    // Not streamed: told at the decision. Refused (503): taken back.
+    let (mut f, _) = send(&h, &a, CHAT, &tenant("one"));
+    assert_eq!(shared(&h), 1);
+    h.set_response_status(503);
+    f.on_response_headers(&h, true);
+    f.on_log(&h);
+    assert_eq!(shared(&h), 0, "a refused placement is still offered");
+    assert_eq!(h.metric("tokenaware_peer_placements_withdrawn"), 1);
+    // Served by a fallback after a retry: the picked endpoint never saw it.
+    let (mut f, _) = send(&h, &a, CHAT, &tenant("two"));
+    *h.upstream.borrow_mut() = Some("10.9.9.9:1".into());
+    respond(&h, &mut f, b"{}");
+    assert_eq!(shared(&h), 0);
+    assert_eq!(h.metric("tokenaware_peer_placements_withdrawn"), 2);
+    // Reset before any answer: `on_log` alone.
+    *h.upstream.borrow_mut() = None;
+    let (mut f, _) = send(&h, &a, CHAT, &tenant("three"));
+    f.on_log(&h);
+    assert_eq!(shared(&h), 0);
+    // Answered: it stays.
+    let (mut f, _) = send(&h, &a, CHAT, &tenant("four"));
+    respond(&h, &mut f, b"{}");
+    assert_eq!(shared(&h), 1);
+    // Streamed, told at its answer's headers, then reset before its first byte.
+    let (mut f, _) = send(&h, &a, CHAT, &streamed(&tenant("five")));
+    h.set_response_status(200);
+    f.on_response_headers(&h, false);
+    assert_eq!(shared(&h), 2);
+    f.on_log(&h);
+    assert_eq!(shared(&h), 1);
+    assert_eq!(h.metric("tokenaware_peer_placements_withdrawn"), 4);
+    assert_eq!(h.metric("tokenaware_peer_placements_shared"), 5);
 }
 
 #[test]

@@ -468,6 +468,7 @@ fn report_decisions(gw: &Gateway, target: &str) {
         "foreign_requests_pct",
         "cold_found_cached_pct",
         "peer_placements_shared",
+        "peer_placements_withdrawn",
         "peer_placements_learned",
         "peer_polls_failed",
     ];
