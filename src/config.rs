@@ -185,6 +185,10 @@ pub struct PeersConfig {
     pub cluster: Option<String>,
     #[serde(default)]
     pub admin_cluster: Option<String>,
+    /// With `cluster`: how often its hosts are read from admin (default
+    /// `DEFAULT_MEMBERS_INTERVAL_MS`).
+    #[serde(default)]
+    pub members_interval_ms: Option<u64>,
     /// The path this gateway answers peers' polls on, and polls them at.
     #[serde(default = "default_peers_path")]
     pub path: String,
@@ -352,6 +356,17 @@ fn default_metrics_stale_ms() -> u64 {
 fn default_peers_path() -> String {
     "/tokenaware/peers".into()
 }
+/// How often `peers.cluster`'s hosts are read from admin, unless configured.
+pub const DEFAULT_MEMBERS_INTERVAL_MS: u64 = 5_000;
+
+impl PeersConfig {
+    /// How often `cluster`'s hosts are read from admin.
+    pub fn members_interval_ms(&self) -> u64 {
+        self.members_interval_ms
+            .unwrap_or(DEFAULT_MEMBERS_INTERVAL_MS)
+    }
+}
+
 fn default_peers_interval_ms() -> u64 {
     500
 }
@@ -606,6 +621,10 @@ impl Config {
                 "peers.adminCluster",
                 "only with `cluster` (the hosts of `clusters` are not read)",
             )),
+            None if p.members_interval_ms.is_some() => Err(err(
+                "peers.membersIntervalMs",
+                "only with `cluster` (the hosts of `clusters` are not read)",
+            )),
             None => Ok(()),
             Some(_) if !p.clusters.is_empty() => Err(err(
                 "peers.cluster",
@@ -623,6 +642,8 @@ impl Config {
     fn validate_peers(&self, p: &PeersConfig) -> Result<(), ConfigError> {
         check_range("peers.intervalMs", p.interval_ms as f64, 10.0, 3.6e6)?;
         check_range("peers.timeoutMs", p.timeout_ms as f64, 1.0, 60_000.0)?;
+        let members = p.members_interval_ms() as f64;
+        check_range("peers.membersIntervalMs", members, 100.0, 3.6e6)?;
         self.validate_peer_clusters(p)?;
         if !p.path.starts_with('/') || p.path.contains('?') {
             return Err(err("peers.path", "must start with '/' and have no query"));
@@ -770,6 +791,14 @@ mod tests {
             (
                 r#","peers":{"clusters":["b"],"intervalMs":0}"#,
                 "peers.intervalMs",
+            ),
+            (
+                r#","peers":{"clusters":["b"],"membersIntervalMs":1000}"#,
+                "peers.membersIntervalMs",
+            ),
+            (
+                r#","peers":{"cluster":"all","adminCluster":"admin","token":"0123456789abcdef","membersIntervalMs":50}"#,
+                "peers.membersIntervalMs",
             ),
             (
                 r#","peers":{"clusters":["b"],"path":"peers"}"#,

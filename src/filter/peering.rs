@@ -14,9 +14,6 @@ use super::vm::Vm;
 use crate::config::{PeersConfig, MAX_PEERS};
 use crate::peers::{Cursor, PeerCursors, PlacementBatch};
 
-/// How often the hosts of `peers.cluster` are read again.
-pub const MEMBERS_INTERVAL_MS: u64 = 5_000;
-
 /// One replica to ask, by its name (the cluster, or the host's address).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerTarget {
@@ -121,7 +118,7 @@ impl PeerPoller {
         if now < self.next_members_ms || busy {
             return;
         }
-        self.next_members_ms = now + MEMBERS_INTERVAL_MS;
+        self.next_members_ms = now + p.members_interval_ms();
         let path = clusters_path(cluster);
         let hdrs = [
             (":method", "GET"),

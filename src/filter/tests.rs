@@ -1603,7 +1603,7 @@ fn replicas_read_from_one_cluster_are_each_asked_and_this_one_is_left_out() {
     ha.set_call_answer(Some(503), b"");
     ra.on_call_response(&ha, calls[0].token, 3, 0);
     ha.now
-        .set(ha.now.get() + super::peering::MEMBERS_INTERVAL_MS);
+        .set(ha.now.get() + crate::config::DEFAULT_MEMBERS_INTERVAL_MS);
     ra.on_tick(&ha);
     for c in ha.take_dispatched() {
         if c.cluster == "admin" {
@@ -1935,6 +1935,29 @@ fn a_peer_whose_polls_keep_failing_is_named_in_the_log_now_and_then() {
 }
 
 #[test]
+fn the_replicas_are_read_from_admin_as_often_as_configured() {
+    let peers = format!(
+        r#","peers":{{"cluster":"gateways","adminCluster":"admin","membersIntervalMs":1000,"token":"{PEER_SECRET}"}}"#
+    );
+    let h = FakeHost::new();
+    let mut r = root(&h, &peers, 2);
+    let none = r#"{"cluster_statuses":[{"name":"gateways","host_statuses":[]}]}"#;
+    let mut asked = Vec::new();
+    for _ in 0..8 {
+        r.on_tick(&h);
+        for c in h.take_dispatched() {
+            asked.push(h.now.get());
+            h.set_call_answer(Some(200), none.as_bytes());
+            r.on_call_response(&h, c.token, 4, none.len());
+        }
+        h.now.set(h.now.get() + 500);
+    }
+    let t0 = asked[0];
+    let at: Vec<u64> = asked.iter().map(|t| t - t0).collect();
+    assert_eq!(at, [0, 1000, 2000, 3000]);
+}
+
+#[test]
 fn replicas_that_cannot_be_read_from_admin_are_named_in_the_log() {
     let peers = format!(
         r#","peers":{{"cluster":"gateways","adminCluster":"admin","intervalMs":100,"token":"{PEER_SECRET}"}}"#
@@ -1950,7 +1973,8 @@ fn replicas_that_cannot_be_read_from_admin_are_named_in_the_log() {
         assert_eq!(calls.len(), 1, "{calls:?}");
         h.set_call_answer(Some(200), others.as_bytes());
         r.on_call_response(&h, calls[0].token, 4, others.len());
-        h.now.set(h.now.get() + super::peering::MEMBERS_INTERVAL_MS);
+        h.now
+            .set(h.now.get() + crate::config::DEFAULT_MEMBERS_INTERVAL_MS);
     }
     let w = warned(&h);
     assert_eq!(w.len(), 2, "{w:?}");
