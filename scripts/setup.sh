@@ -12,6 +12,7 @@
 #   3. apt packages: skopeo and docker-registry (OCI image test), wrk and nghttp2-client
 #      (overhead benchmarks, HTTP/2 tests).
 #   4. cargo-fuzz under .tools/bin (fuzz/smoke.sh; the fuzz targets need a nightly toolchain).
+#   5. promtool under .tools/bin, from Debian's prometheus package (the alerting rules' test).
 # Pip honours PIP_FIND_LINKS / PIP_INDEX_URL if you need a local wheel cache or mirror.
 set -euo pipefail
 
@@ -80,10 +81,32 @@ ensure_cargo_fuzz() {
   fi
 }
 
+# promtool (the alerting rules' checks) alone, out of Debian's prometheus package: installing
+# the package would also start a Prometheus server on a machine with systemd.
+ensure_promtool() {
+  local bin="$ROOT/.tools/bin/promtool"
+  if [[ -x "$bin" ]] && "$bin" --version >/dev/null 2>&1; then
+    log "promtool: present"; return 0
+  fi
+  log "promtool: taking it from Debian's prometheus package into .tools"
+  local tmp sudo=""
+  [[ $(id -u) -ne 0 ]] && sudo="sudo"
+  tmp="$(mktemp -d)"
+  if ! (cd "$tmp" && apt-get download -qq prometheus >&2 2>/dev/null); then
+    $sudo apt-get update -qq >&2
+    (cd "$tmp" && apt-get download -qq prometheus >&2)
+  fi
+  dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/x"
+  mkdir -p "$ROOT/.tools/bin"
+  cp "$tmp/x/usr/bin/promtool" "$bin"
+  rm -rf "$tmp"
+}
+
 ensure_rust_target
 ensure_venv
 ensure_apt_packages skopeo docker-registry wrk nghttp2-client
 ensure_cargo_fuzz
+ensure_promtool
 
 ENVOY_BIN="$(envoy_path)"
 if [[ ! -x "$ENVOY_BIN" ]]; then
