@@ -972,3 +972,56 @@ async fn a_peer_that_is_down_only_counts_failed_polls() {
     assert_eq!(stat("peer_polls_ok"), 0);
     assert_eq!(stat("peer_placements_shared"), 1);
 }
+
+/// A placement told to the peers at the decision (an answer not streamed) whose request the
+/// picked endpoint never saw (dead: Envoy retried it on a fallback) is taken back before a
+/// peer reads it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_placement_served_by_a_fallback_is_taken_back_from_the_peers() {
+    if !have_envoy() {
+        return;
+    }
+    let mut f = fleet(3, 0.01);
+    f.dead = vec![1];
+    let token = "e2e-replicas-token-7c1d";
+    // The peer is never there and is polled once a minute: only this replica's ring matters.
+    let nobody = wasm_tests::ports::free_ports(1).unwrap()[0];
+    let peers = format!(r#""peers":{{"clusters":["peer"],"intervalMs":60000,"token":"{token}"}}"#);
+    let gw = start_with(
+        f,
+        |eps| plugin_config(eps, &peers),
+        |cfg| cfg.peer_clusters = vec![("peer".into(), format!("127.0.0.1:{nobody}"))],
+    )
+    .await;
+    let dead = gw.fleet.endpoints()[1].clone();
+    let mut picked_dead = 0;
+    for g in 0..12 {
+        let a = gw.post(CHAT, chat(&system(40 + g, 4_000), "q")).await;
+        assert_eq!(a.status, 200);
+        assert!(a.decision.contains("reason=cold"), "{}", a.decision);
+        picked_dead += usize::from(a.decision.contains(&dead));
+    }
+    assert!(
+        picked_dead > 0,
+        "cold placement never picked the dead endpoint"
+    );
+    let stat = |n: &str| gw.envoy_stat(&format!("wasmcustom.tokenaware_{n}"));
+    assert_eq!(stat("served_by_fallback"), picked_dead as i64);
+    assert_eq!(stat("peer_placements_shared"), 12);
+    assert_eq!(stat("peer_placements_withdrawn"), picked_dead as i64);
+    // What a peer reads: the placements on live endpoints alone.
+    let v: Value = gw
+        .http
+        .get(gw.envoy.url("/tokenaware/peers?since=0"))
+        .header("x-tokenaware-peer-token", token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let told = v["placements"].as_array().unwrap();
+    assert_eq!(told.len(), 12 - picked_dead, "{v}");
+    assert!(told.iter().all(|p| p["endpoint"] != dead.as_str()), "{v}");
+    assert_eq!(v["next"], 12);
+}
