@@ -12,7 +12,7 @@
 #   3. apt packages: skopeo and docker-registry (OCI image test), wrk and nghttp2-client
 #      (overhead benchmarks, HTTP/2 tests).
 #   4. cargo-fuzz under .tools/bin (fuzz/smoke.sh; the fuzz targets need a nightly toolchain).
-#   5. promtool under .tools/bin, from Debian's prometheus package (the alerting rules' test).
+#   5. promtool under .tools/bin, from Debian's prometheus package (the monitoring examples' test).
 # Pip honours PIP_FIND_LINKS / PIP_INDEX_URL if you need a local wheel cache or mirror.
 set -euo pipefail
 
@@ -81,7 +81,7 @@ ensure_cargo_fuzz() {
   fi
 }
 
-# promtool (the alerting rules' checks) alone, out of Debian's prometheus package: installing
+# promtool (the monitoring examples' checks) alone, out of Debian's prometheus package: installing
 # the package would also start a Prometheus server on a machine with systemd.
 ensure_promtool() {
   local bin="$ROOT/.tools/bin/promtool"
