@@ -1534,11 +1534,16 @@ fn a_peer_that_refuses_the_token_is_named_in_the_log() {
     assert!(!warned[0].contains(PEER_SECRET));
 }
 
+/// `peers` as the hosts of one cluster, `gateways`, read through `admin`, plus `more` fields.
+fn one_cluster_peers(more: &str) -> String {
+    format!(
+        r#","peers":{{"cluster":"gateways","adminCluster":"admin",{more},"token":"{PEER_SECRET}"}}"#
+    )
+}
+
 #[test]
 fn replicas_read_from_one_cluster_are_each_asked_and_this_one_is_left_out() {
-    let peers = format!(
-        r#","peers":{{"cluster":"gateways","adminCluster":"admin","intervalMs":100,"token":"{PEER_SECRET}"}}"#
-    );
+    let peers = one_cluster_peers(r#""intervalMs":100"#);
     let (ha, hb) = (FakeHost::new(), FakeHost::new());
     let mut ra = root(&ha, &peers, 2);
     let a = ra.vm();
@@ -1696,6 +1701,15 @@ fn the_peer_path_is_off_unless_configured() {
     assert!(h.sent.borrow().is_empty());
 }
 
+/// How many placements `vm`'s process offers a peer that asks from the start.
+fn placements_offered(h: &FakeHost, vm: &Rc<Vm>) -> usize {
+    let (_, body) = ask_peer(h, vm, 0);
+    crate::peers::PlacementBatch::from_json(&body)
+        .unwrap()
+        .placements
+        .len()
+}
+
 #[test]
 fn a_streamed_placement_is_shared_once_the_picked_endpoint_answers() {
     let h = FakeHost::new();
@@ -1712,13 +1726,7 @@ fn a_streamed_placement_is_shared_once_the_picked_endpoint_answers() {
         .to_string()
         .into_bytes()
     };
-    let shared = |h: &FakeHost| {
-        let (_, body) = ask_peer(h, &a, 0);
-        crate::peers::PlacementBatch::from_json(&body)
-            .unwrap()
-            .placements
-            .len()
-    };
+    let shared = |h: &FakeHost| placements_offered(h, &a);
     // Refused (503): the placement is never told.
     let (mut f, _) = send(&h, &a, CHAT, &streamed("one"));
     assert_eq!(h.metric("tokenaware_decisions_cold"), 1);
@@ -1758,13 +1766,7 @@ fn a_streamed_placement_is_shared_once_the_picked_endpoint_answers() {
 fn a_placement_told_before_its_answer_is_taken_back_when_the_request_fails() {
     let h = FakeHost::new();
     let a = vm(&h, PEERS);
-    let shared = |h: &FakeHost| {
-        let (_, body) = ask_peer(h, &a, 0);
-        crate::peers::PlacementBatch::from_json(&body)
-            .unwrap()
-            .placements
-            .len()
-    };
+    let shared = |h: &FakeHost| placements_offered(h, &a);
     let tenant = |who: &str| {
         chat(
             &format!("You are the assistant of tenant {who}. ").repeat(100),
@@ -1936,9 +1938,7 @@ fn a_peer_whose_polls_keep_failing_is_named_in_the_log_now_and_then() {
 
 #[test]
 fn the_replicas_are_read_from_admin_as_often_as_configured() {
-    let peers = format!(
-        r#","peers":{{"cluster":"gateways","adminCluster":"admin","membersIntervalMs":1000,"token":"{PEER_SECRET}"}}"#
-    );
+    let peers = one_cluster_peers(r#""membersIntervalMs":1000"#);
     let h = FakeHost::new();
     let mut r = root(&h, &peers, 2);
     let none = r#"{"cluster_statuses":[{"name":"gateways","host_statuses":[]}]}"#;
@@ -1959,9 +1959,7 @@ fn the_replicas_are_read_from_admin_as_often_as_configured() {
 
 #[test]
 fn replicas_that_cannot_be_read_from_admin_are_named_in_the_log() {
-    let peers = format!(
-        r#","peers":{{"cluster":"gateways","adminCluster":"admin","intervalMs":100,"token":"{PEER_SECRET}"}}"#
-    );
+    let peers = one_cluster_peers(r#""intervalMs":100"#);
     let h = FakeHost::new();
     let mut r = root(&h, &peers, 2);
     let warned = |h: &FakeHost| warnings_with(h, "reading the replicas failed");

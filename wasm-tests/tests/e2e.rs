@@ -836,14 +836,7 @@ async fn replicas_named_as_peers_send_a_prefix_where_the_other_placed_it() {
         .unwrap();
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["next"], 4);
-    let d: Value = http
-        .get(a.url(DEBUG))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let d = get_json(&http, a.url(DEBUG), &[]).await;
     assert_eq!(d["placementsShared"], 4);
     assert!(!text.contains("meticulous"));
     assert_eq!(
@@ -863,6 +856,15 @@ async fn post_chat(http: &reqwest::Client, e: &Envoy, body: String) -> Answer {
         .header("content-type", "application/json")
         .body(body);
     answer(req.send().await.unwrap()).await
+}
+
+/// GETs `url` with `headers` and reads the answer as JSON.
+async fn get_json(http: &reqwest::Client, url: String, headers: &[(&str, &str)]) -> Value {
+    let mut req = http.get(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    req.send().await.unwrap().json().await.unwrap()
 }
 
 /// Waits, at most 15 s, until `e`'s counter `tokenaware_{name}` reaches `at_least`.
@@ -1010,16 +1012,8 @@ async fn a_placement_served_by_a_fallback_is_taken_back_from_the_peers() {
     assert_eq!(stat("peer_placements_shared"), 12);
     assert_eq!(stat("peer_placements_withdrawn"), picked_dead as i64);
     // What a peer reads: the placements on live endpoints alone.
-    let v: Value = gw
-        .http
-        .get(gw.envoy.url("/tokenaware/peers?since=0"))
-        .header("x-tokenaware-peer-token", token)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let url = gw.envoy.url("/tokenaware/peers?since=0");
+    let v = get_json(&gw.http, url, &[("x-tokenaware-peer-token", token)]).await;
     let told = v["placements"].as_array().unwrap();
     assert_eq!(told.len(), 12 - picked_dead, "{v}");
     assert!(told.iter().all(|p| p["endpoint"] != dead.as_str()), "{v}");
