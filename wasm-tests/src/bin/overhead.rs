@@ -2,7 +2,8 @@
 //! `--concurrency N`), one plain
 //! and one with tokenaware, run side by side in front of the same instant upstream
 //! ([`wasm_tests::instant`]: three loopback endpoints that answer every POST at once), and
-//! `wrk` drives each in turn with one chat body, rounds alternating which goes first:
+//! `wrk` (or, with `--client h2load`, h2load over HTTP/2) drives each in turn with one chat
+//! body, rounds alternating which goes first:
 //!
 //! - throughput: `wrk -t2 -c<connections>` closed loop, requests/s and Envoy CPU time per
 //!   request (utime + stime of the Envoy process from `/proc/PID/stat`, over the run);
@@ -84,8 +85,22 @@ struct Args {
     events: usize,
     #[arg(long, default_value_t = 1.0)]
     event_gap_ms: f64,
+    /// The load tool of the throughput runs: `wrk` (HTTP/1.1, a request at a time on each
+    /// connection) or `h2load` (HTTP/2 over cleartext, `--streams` requests in flight on
+    /// each connection, as a client multiplexing over one connection sends them).
+    #[arg(long, value_enum, default_value_t = Client::Wrk)]
+    client: Client,
+    /// With `--client h2load`: concurrent streams per connection (`h2load -m`).
+    #[arg(long, default_value_t = 1)]
+    streams: u32,
     #[arg(long, default_value = "target/overhead")]
     out_dir: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Client {
+    Wrk,
+    H2load,
 }
 
 /// Prints every request's latency distribution summary on one line wrk's `done` writes.
@@ -214,6 +229,93 @@ fn wrk(
     })
 }
 
+/// Runs h2load (HTTP/2, prior knowledge) against `url`; CPU from `pid` over the run. h2load
+/// reports no percentiles, so the run's p50 and p99 are left out (the latency figures come
+/// from the paired measurement either way).
+fn h2load(
+    url: &str,
+    pid: u32,
+    conns: u32,
+    streams: u32,
+    secs: u32,
+    body: &Path,
+) -> anyhow::Result<Run> {
+    let before = cpu_ticks(pid)?;
+    let out = Command::new("h2load")
+        .args([
+            "-t",
+            "2",
+            "-c",
+            &conns.to_string(),
+            "-m",
+            &streams.to_string(),
+        ])
+        .args([
+            "-D",
+            &secs.to_string(),
+            "-H",
+            "content-type: application/json",
+            "-d",
+        ])
+        .arg(body)
+        .arg(url)
+        .output()
+        .context("running h2load (apt-get install nghttp2-client, or scripts/setup.sh)")?;
+    let ticks = cpu_ticks(pid)? - before;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let (secs, requests, errors) = parse_h2load(&text).with_context(|| {
+        format!(
+            "h2load gave no result: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    Ok(Run {
+        requests,
+        secs,
+        rps: requests as f64 / secs,
+        p50_ms: f64::NAN,
+        p99_ms: f64::NAN,
+        errors,
+        cpu_us_per_req: ticks as f64 / clock_ticks_per_sec() * 1e6 / requests.max(1) as f64,
+    })
+}
+
+/// From h2load's report: the run's seconds, its 2xx answers, and the requests that failed or
+/// ended in another status.
+fn parse_h2load(text: &str) -> Option<(f64, u64, u64)> {
+    let line = |prefix: &str| {
+        text.lines()
+            .find_map(|l| l.trim().strip_prefix(prefix).map(str::to_owned))
+    };
+    let secs = duration_secs(line("finished in ")?.split(',').next()?)?;
+    // "requests: 10 total, 10 started, 10 done, 9 succeeded, 1 failed, 0 errored, 0 timeout"
+    let requests = line("requests: ")?;
+    let count = |what: &str| -> Option<u64> {
+        requests
+            .split(", ")
+            .find_map(|p| p.strip_suffix(what))
+            .and_then(|n| n.trim().parse().ok())
+    };
+    let codes = line("status codes: ")?;
+    let ok: u64 = codes.split(" 2xx").next()?.trim().parse().ok()?;
+    // `failed` takes in those that errored or timed out; a 3xx "succeeded" but is no answer.
+    let failed = count(" failed")? + count(" succeeded")?.saturating_sub(ok);
+    Some((secs, ok, failed))
+}
+
+/// h2load's duration: a number and `s`, `ms` or `us`.
+fn duration_secs(d: &str) -> Option<f64> {
+    let d = d.trim();
+    let (n, scale) = if let Some(n) = d.strip_suffix("us") {
+        (n, 1e-6)
+    } else if let Some(n) = d.strip_suffix("ms") {
+        (n, 1e-3)
+    } else {
+        (d.strip_suffix('s')?, 1.0)
+    };
+    Some(n.parse::<f64>().ok()? * scale)
+}
+
 /// min / median / max.
 fn spread(mut v: Vec<f64>) -> String {
     v.sort_by(f64::total_cmp);
@@ -271,11 +373,12 @@ async fn main() -> anyhow::Result<()> {
     })
     .await??;
     println!(
-        "upstream: instant stub on {}; Envoy --concurrency {} plain pid {} / filter pid {}",
+        "upstream: instant stub on {}; Envoy --concurrency {} plain pid {} / filter pid {}; load: {:?}",
         eps.join(","),
         args.concurrency,
         plain.pid(),
-        filtered.pid()
+        filtered.pid(),
+        args.client,
     );
 
     std::fs::create_dir_all(&args.out_dir)?;
@@ -302,8 +405,10 @@ async fn main() -> anyhow::Result<()> {
                 let url = e.url("/v1/chat/completions");
                 let (pid, secs, conns) = (e.pid(), args.secs, args.connections);
                 let (lua, body) = (lua.clone(), body.clone());
-                let t = tokio::task::spawn_blocking(move || {
-                    wrk(&url, pid, 2, conns, secs, &lua, &body)
+                let (client, streams) = (args.client, args.streams);
+                let t = tokio::task::spawn_blocking(move || match client {
+                    Client::Wrk => wrk(&url, pid, 2, conns, secs, &lua, &body),
+                    Client::H2load => h2load(&url, pid, conns, streams, secs, &body),
                 })
                 .await??;
                 tput[usize::from(with_filter)] = Some(t);
@@ -394,4 +499,33 @@ async fn main() -> anyhow::Result<()> {
     println!("wrote {}", out.display());
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const REPORT: &str = "starting benchmark...
+spawning thread #0: 16 total client(s). Timing-based test with 0s of warm-up time and 6s of main duration for measurements.
+Application protocol: h2c
+
+finished in 6.00s, 16483.33 req/s, 6.38MB/s
+requests: 98900 total, 98916 started, 98900 done, 98897 succeeded, 3 failed, 2 errored, 1 timeout
+status codes: 98897 2xx, 0 3xx, 0 4xx, 3 5xx
+traffic: 38.27MB (40130045) total, 1.51MB (1582400) headers (space savings 95.51%)
+";
+
+    #[test]
+    fn h2load_reports_give_seconds_answers_and_failures() {
+        let (secs, ok, errors) = parse_h2load(REPORT).unwrap();
+        assert_eq!((secs, ok), (6.0, 98_897));
+        assert_eq!(errors, 3);
+        let redirected = REPORT
+            .replace("98897 succeeded", "98899 succeeded")
+            .replace("98897 2xx, 0 3xx", "98897 2xx, 2 3xx");
+        assert_eq!(parse_h2load(&redirected).unwrap().2, 5);
+        let short = REPORT.replace("finished in 6.00s", "finished in 250.5ms");
+        assert_eq!(parse_h2load(&short).unwrap().0, 0.2505);
+        assert!(parse_h2load("starting benchmark...\n").is_none());
+    }
 }
