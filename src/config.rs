@@ -711,6 +711,16 @@ impl Config {
         (kv_tokens / u64::from(self.block_size_tokens.max(1))).max(1)
     }
 
+    /// A server's own KV capacity (from its metrics) in index blocks, counted up to what the
+    /// whole index was sized for (`kvCapacityTokens` × `maxEndpoints`): a server that reports
+    /// more cannot hold entries the bucket table has no room for.
+    pub fn scraped_capacity_blocks(&self, kv_tokens: u64) -> u64 {
+        let room = self
+            .capacity_blocks(self.kv_capacity_tokens)
+            .saturating_mul(u64::from(self.max_endpoints));
+        self.capacity_blocks(kv_tokens).min(room)
+    }
+
     pub fn is_routed_path(&self, path: &str) -> bool {
         let path = path.split('?').next().unwrap_or(path);
         self.routes.iter().any(|r| r == path)
@@ -753,6 +763,21 @@ mod tests {
         assert_eq!(c.affinity_threshold, 0.8);
         assert_eq!(c.policy, PolicyName::Tokenaware);
         assert_eq!(c.block_bytes(), 256);
+    }
+
+    #[test]
+    fn a_servers_reported_capacity_counts_up_to_the_indexs_room() {
+        let c = Config::from_json(
+            with_endpoints(r#","kvCapacityTokens":100000,"maxEndpoints":4,"blockSizeTokens":64"#)
+                .as_bytes(),
+        )
+        .unwrap();
+        // 1,562 blocks an endpoint, four endpoints.
+        assert_eq!(c.scraped_capacity_blocks(320_000), 5_000);
+        // More than four endpoints' worth, or a nonsense figure: the whole index, no more.
+        assert_eq!(c.scraped_capacity_blocks(10_000_000), 6_248);
+        assert_eq!(c.scraped_capacity_blocks(f64::INFINITY as u64), 6_248);
+        assert_eq!(c.scraped_capacity_blocks(6_400), 100);
     }
 
     #[test]

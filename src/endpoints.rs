@@ -3,6 +3,8 @@
 //! metrics. Built from the static config list or from discovery; reconciled, never rebuilt,
 //! so an endpoint keeps its slot (and its warm index entries) while it stays.
 
+use std::collections::{BTreeMap, BTreeSet};
+
 use serde::{Deserialize, Serialize};
 
 use crate::config::Config;
@@ -215,25 +217,40 @@ impl EndpointTable {
         max: usize,
         capacity_blocks: u64,
     ) -> Changes {
+        // Sets and maps, not scans: a discovery of thousands of hosts stays linear-ish (it
+        // runs in a tick, inside a CAS retry loop).
         let mut changes = Changes::default();
+        let wanted: BTreeSet<&str> = found.iter().map(|(a, _)| a.as_str()).collect();
         self.endpoints.retain(|e| {
-            let keep = found.iter().any(|(a, _)| *a == e.address);
+            let keep = wanted.contains(e.address.as_str());
             if !keep {
                 changes.removed.push(e.slot);
             }
             keep
         });
+        let mut at: BTreeMap<String, usize> = self
+            .endpoints
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.address.clone(), i))
+            .collect();
+        let mut used: BTreeSet<u16> = self.endpoints.iter().map(|e| e.slot).collect();
+        // New endpoints take the lowest free slots in turn, so the search only moves up.
+        let mut next_free: u16 = 0;
         for (address, healthy) in found {
-            if let Some(e) = self.get_mut(address) {
+            if let Some(e) = at.get(address).and_then(|&i| self.endpoints.get_mut(i)) {
                 e.healthy = *healthy;
                 continue;
             }
             if self.endpoints.len() >= max {
                 continue;
             }
-            let slot = (0..=u16::MAX)
-                .find(|s| self.endpoints.iter().all(|e| e.slot != *s))
-                .unwrap_or(u16::MAX);
+            while used.contains(&next_free) && next_free < u16::MAX {
+                next_free += 1;
+            }
+            let slot = next_free;
+            used.insert(slot);
+            at.insert(address.clone(), self.endpoints.len());
             changes.added.push(slot);
             self.endpoints.push(Endpoint {
                 address: address.clone(),
@@ -293,6 +310,40 @@ mod tests {
         );
         assert_eq!(t.endpoints.len(), 2);
         assert_eq!(c.removed.len(), 2);
+    }
+
+    #[test]
+    fn a_large_discovery_fills_the_lowest_free_slots_once_each() {
+        let mut t = EndpointTable::default();
+        let hosts: Vec<(String, bool)> = (0..4_096)
+            .map(|i| (format!("10.0.{}.{}:80", i / 256, i % 256), true))
+            .collect();
+        let c = t.reconcile(&hosts, 4_096, 100);
+        assert_eq!(c.added, (0..4_096).collect::<Vec<u16>>());
+        // Every tenth host leaves and new ones come (one of them named twice): they take the
+        // freed slots, lowest first, and the named-twice one takes one.
+        let mut next: Vec<(String, bool)> = hosts
+            .iter()
+            .filter(|(a, _)| !a.ends_with("0:80"))
+            .cloned()
+            .collect();
+        let freed: Vec<u16> = t
+            .endpoints
+            .iter()
+            .filter(|e| e.address.ends_with("0:80"))
+            .map(|e| e.slot)
+            .collect();
+        next.extend((0..3).map(|i| (format!("new-{i}:80"), true)));
+        next.push(("new-0:80".into(), false));
+        let c = t.reconcile(&next, 4_096, 100);
+        assert_eq!(c.removed, freed);
+        assert_eq!(c.added, freed[..3].to_vec());
+        assert!(
+            !t.get("new-0:80").unwrap().healthy,
+            "the later entry wins, as for a kept one"
+        );
+        let slots: BTreeSet<u16> = t.endpoints.iter().map(|e| e.slot).collect();
+        assert_eq!(slots.len(), t.endpoints.len());
     }
 
     #[test]

@@ -230,7 +230,7 @@ impl AffinityIndex {
         if chain.is_empty() || h.capacity == 0 {
             return Ok(m);
         }
-        let fit = (h.capacity / chain.len() as u64).max(1) as usize;
+        let fit = usize::try_from((h.capacity / chain.len() as u64).max(1)).unwrap_or(usize::MAX);
         (m.rank, m.victim_used_s, m.used_s) = recency(&v, chain[0], fit);
         let segments = chain.len().div_ceil(SEGMENT);
         // A prefix cache only serves a prompt from its first block on: an endpoint without
@@ -461,8 +461,11 @@ impl AffinityIndex {
         s: &S,
         receipt: &InsertReceipt,
     ) -> Result<(), StoreError> {
+        // Every entry is tried, the first error returned: one bucket that lost its CAS races
+        // leaves the others rolled back.
+        let mut first_error = Ok(());
         for w in receipt.written.iter().rev() {
-            update(s, &self.bucket_key(w.bucket), |old| {
+            let undone = update(s, &self.bucket_key(w.bucket), |old| {
                 let at = find(ways(old), w.tag)?;
                 if read_u32(old, at + STAMP_AT) != w.stamp as u32 {
                     return None;
@@ -473,9 +476,12 @@ impl AffinityIndex {
                     _ => b[at..at + ENTRY].fill(0),
                 }
                 Some((b, ()))
-            })?;
+            });
+            if first_error.is_ok() {
+                first_error = undone.map(|_| ());
+            }
         }
-        Ok(())
+        first_error
     }
 
     /// Blocks the endpoint holds according to the index (for tests and the debug path):
@@ -576,7 +582,8 @@ fn recency(b: &[u8], head: u64, fit: usize) -> (Option<u32>, Option<u32>, Option
     order.sort_unstable_by(|x, y| y.cmp(x));
     let at = order.iter().position(|r| r.2 == head);
     let used = at.and_then(|i| order.get(i)).map(|r| r.0);
-    (at.map(|r| r as u32), order.get(fit - 1).map(|r| r.0), used)
+    let victim = order.get(fit.saturating_sub(1)).map(|r| r.0);
+    (at.map(|r| r as u32), victim, used)
 }
 
 fn recalls(b: &[u8], head: u64) -> bool {

@@ -371,10 +371,15 @@ impl PlacementBatch {
         serde_json::to_vec(&wire).unwrap_or_default()
     }
 
-    /// A peer's answer; `None` when it is not one. Placements whose hashes do not parse are
-    /// dropped, and each keeps at most `MAX_SHARED_BLOCKS` blocks.
+    /// A peer's answer; `None` when it is not one: a ring holds `LOG_ENTRIES` placements, so
+    /// an answer with more (each one index insert here, all in one callback) is refused.
+    /// Placements whose hashes do not parse are dropped, and each keeps at most
+    /// `MAX_SHARED_BLOCKS` blocks.
     pub fn from_json(body: &[u8]) -> Option<PlacementBatch> {
         let wire: WireBatchIn = serde_json::from_slice(body).ok()?;
+        if wire.placements.len() as u64 > LOG_ENTRIES {
+            return None;
+        }
         let placements = wire
             .placements
             .into_iter()
@@ -546,6 +551,14 @@ mod tests {
             "only the well-formed placement stays"
         );
         assert_eq!(b.placements[0].blocks, [255]);
+        // More placements than a ring holds: no peer's answer.
+        let many = |n: u64| {
+            let one = r#"{"endpoint":"a:1","blocks":"00000000000000ff"}"#;
+            let list = vec![one; n as usize].join(",");
+            format!(r#"{{"next":{n},"placements":[{list}]}}"#).into_bytes()
+        };
+        assert!(PlacementBatch::from_json(&many(LOG_ENTRIES)).is_some());
+        assert!(PlacementBatch::from_json(&many(LOG_ENTRIES + 1)).is_none());
         // Hashes written with escapes still read (they cannot be borrowed as they stand).
         let escaped =
             br#"{"next":1,"placements":[{"endpoint":"a:1","blocks":"\u00300000000000000ff"}]}"#;

@@ -846,16 +846,24 @@ impl Router {
                 .estimator
                 .observe_ttft(s, r.charge.slot, &sample, counted);
         }
-        if outcome == Outcome::FailedEarly && !r.first_byte_seen && !r.receipt.written.is_empty() {
+        // The rollback is tried once (its receipt is taken); whatever it comes to, the charge
+        // is returned: a rollback that lost its CAS races must not keep the load on.
+        let rolled_back = if outcome == Outcome::FailedEarly
+            && !r.first_byte_seen
+            && !r.receipt.written.is_empty()
+        {
             let receipt = std::mem::take(&mut r.receipt);
-            self.index.rollback(s, &receipt)?;
-        }
+            self.index.rollback(s, &receipt)
+        } else {
+            Ok(())
+        };
         let missed = match r.cache_check {
             Some(CacheCheck::Missed) => Some(true),
             Some(CacheCheck::Held) => Some(false),
             _ => None,
         };
-        self.ledger.release_checked(s, &mut r.charge, missed)
+        let released = self.ledger.release_checked(s, &mut r.charge, missed);
+        released.and(rolled_back)
     }
 }
 
@@ -1078,6 +1086,22 @@ mod tests {
         r.finish(&s, &mut routed, Outcome::FailedEarly).unwrap();
         assert_eq!(r.index.matched(&s, slot, &chain.hashes).unwrap().blocks, 0);
         assert_eq!(r.ledger.load(&s, slot, 1).unwrap(), Default::default());
+    }
+
+    #[test]
+    fn a_rollback_that_loses_its_races_still_returns_the_charge() {
+        let (mut r, t, s) = router("");
+        let chain = r.hash(&chat(&"x".repeat(20_000), "q"));
+        let mut routed = r.route(&s, &t.endpoints, &chain, 5_000, 0).unwrap();
+        let slot = routed.charge.slot;
+        // Another worker wins every CAS race of the rollback's first bucket.
+        s.inject_conflicts.set(crate::store::CAS_RETRIES as u32);
+        let failed = r.finish(&s, &mut routed, Outcome::FailedEarly);
+        assert_eq!(failed, Err(StoreError::CasMismatch));
+        assert_eq!(r.ledger.load(&s, slot, 1).unwrap(), Default::default());
+        // The other buckets were rolled back all the same.
+        let left = r.index.matched(&s, slot, &chain.hashes).unwrap().blocks;
+        assert!(left < chain.full_blocks().len(), "{left} blocks left");
     }
 
     #[test]

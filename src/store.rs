@@ -61,6 +61,10 @@ pub trait SharedStore {
     fn keeps_reads(&self) -> bool {
         false
     }
+    /// The value as stored now, past any read this store keeps.
+    fn get_fresh(&self, key: &str) -> Result<(Option<Bytes>, Option<Cas>), StoreError> {
+        self.get(key)
+    }
 }
 
 /// How often a CAS update is retried before the caller gives up and counts an error.
@@ -74,7 +78,12 @@ pub fn update<S: SharedStore + ?Sized, T>(
     mut f: impl FnMut(&[u8]) -> Option<(Vec<u8>, T)>,
 ) -> Result<Option<T>, StoreError> {
     for _ in 0..CAS_RETRIES {
-        let (value, cas) = store.get(key)?;
+        let (mut value, mut cas) = store.get(key)?;
+        if value.is_none() {
+            // A key seen absent has no version to write against: the write below would
+            // overwrite whatever another worker created since a kept read. Look again now.
+            (value, cas) = store.get_fresh(key)?;
+        }
         let Some((new, out)) = f(value.as_deref().unwrap_or(&[])) else {
             return Ok(None);
         };
@@ -188,6 +197,11 @@ impl<S: SharedStore + ?Sized> SharedStore for ReadCache<'_, S> {
     fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
         self.cache.borrow_mut().retain(|(_, k, _, _)| k != key);
         self.inner.set(key, value, cas)
+    }
+
+    fn get_fresh(&self, key: &str) -> Result<(Option<Bytes>, Option<Cas>), StoreError> {
+        self.cache.borrow_mut().retain(|(_, k, _, _)| k != key);
+        self.inner.get_fresh(key)
     }
 }
 
@@ -332,6 +346,11 @@ impl<S: SharedStore + ?Sized> SharedStore for RecentView<'_, S> {
         let (v, c) = self.inner.get(key)?;
         self.reads.keep(key, &v, c, now);
         Ok((v, c))
+    }
+
+    fn get_fresh(&self, key: &str) -> Result<(Option<Bytes>, Option<Cas>), StoreError> {
+        self.reads.forget(key);
+        self.inner.get_fresh(key)
     }
 
     fn keeps_reads(&self) -> bool {
@@ -501,6 +520,19 @@ mod tests {
         assert_eq!(s.get("k").unwrap().0.as_deref().unwrap(), b"Xc");
         recent.clear();
         assert_eq!(recent.bytes(), 0);
+    }
+
+    #[test]
+    fn an_absent_key_is_read_again_before_it_is_written() {
+        let s = MemStore::new();
+        let recent = RecentReads::new(1_000, 1 << 20);
+        let view = recent.at(&s, 10);
+        assert_eq!(view.get("k").unwrap(), (None, None));
+        // Another worker creates the key; an update here must build on its value, not on
+        // the absence read a moment ago (a write to an absent key has no version to check).
+        s.set("k", b"X", None).unwrap();
+        update(&view, "k", |old| Some(([old, b"y"].concat(), ()))).unwrap();
+        assert_eq!(s.get("k").unwrap().0.as_deref().unwrap(), b"Xy");
     }
 
     #[test]

@@ -5,8 +5,8 @@
 //! `x-gateway-destination-endpoint: ip:port,fallback,…`. A body over `maxBodyBytes`, a parse
 //! failure, no endpoint or an internal error: no header, counted, and Envoy's fallback
 //! policy picks. Response: a streamed answer's first body byte releases the prefill tokens
-//! (an answer not streamed holds them to its end, which follows at once), a 5xx before it
-//! marks an early failure, and the stream's end (`on_log`, which also runs on resets)
+//! (an answer not streamed holds them to its end, which follows at once), a 4xx or 5xx
+//! before it marks an early failure, and the stream's end (`on_log`, which also runs on resets)
 //! releases the request exactly once. Prompt text never leaves this module.
 
 use std::rc::Rc;
@@ -66,6 +66,11 @@ pub struct HttpFilter {
     /// The sequence number of the placement told to `peers`, taken back should the request
     /// fail before the picked endpoint answers.
     told: Option<u64>,
+    /// Envoy's retry or `override_host` fallback answered, not the picked endpoint: what the
+    /// answer teaches (its first byte, its `usage`) is another server's.
+    served_elsewhere: bool,
+    /// Answered 4xx: the endpoint did not take the prompt.
+    refused: bool,
 }
 
 impl HttpFilter {
@@ -83,6 +88,8 @@ impl HttpFilter {
             prompt_shape: (String::new(), 0),
             unshared: None,
             told: None,
+            served_elsewhere: false,
+            refused: false,
         }
     }
 
@@ -183,6 +190,12 @@ impl HttpFilter {
         let unshared = self.unshared.take();
         if status >= 500 || status == 0 {
             self.failed_early = true;
+        } else if status >= 400 {
+            // A bad request, a prompt over the context, a rate limit: the endpoint took
+            // nothing, so nothing stays charged or indexed there. Counted apart from the
+            // failures: a client's bad requests are no server in trouble.
+            self.failed_early = true;
+            self.refused = true;
         } else {
             if self.check_served_by(h) {
                 self.share_placement(h, unshared.as_deref());
@@ -217,6 +230,7 @@ impl HttpFilter {
         if picked.is_none() || picked == Some(served.as_slice()) {
             return true;
         }
+        self.served_elsewhere = true;
         vm.stats.inc(h, Counter::ServedByFallback);
         if !slot_is_ours(h, vm, routed) {
             return false;
@@ -298,7 +312,11 @@ impl HttpFilter {
         let outcome = if self.first_byte && !self.failed_early {
             Outcome::Done
         } else {
-            vm.stats.inc(h, Counter::FailedEarly);
+            let why = match self.refused {
+                true => Counter::Refused,
+                false => Counter::FailedEarly,
+            };
+            vm.stats.inc(h, why);
             self.withdraw_placement(h, &vm);
             Outcome::FailedEarly
         };
@@ -311,7 +329,7 @@ impl HttpFilter {
             vm.stats
                 .add(h, Counter::UsageCachedTokens, u.cached_tokens.unwrap_or(0));
             vm.stats.token_estimate(h, u.prompt_tokens, routed.tokens);
-            if ours {
+            if ours && !self.served_elsewhere {
                 self.learn_from_usage(h, &vm, &mut routed, u);
             }
         }
@@ -349,6 +367,11 @@ impl HttpFilter {
         let (Some(routed), Some(vm)) = (self.routed.as_mut(), self.vm.as_ref()) else {
             return;
         };
+        if self.served_elsewhere {
+            // The charge went back when the fallback was seen; this byte is not the picked
+            // endpoint's time to first token.
+            return;
+        }
         // Without a clock reading the prefill is still released; it just is no TTFT sample.
         let now = match h.now_ms() {
             Ok(now) => now,

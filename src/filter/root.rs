@@ -472,7 +472,7 @@ impl Root {
         let healthy = !self.envoy_down.contains(address);
         let capacity = match (m.num_gpu_blocks, m.block_size) {
             (Some(n), Some(b)) if n >= 1.0 && b >= 1.0 => {
-                Some(self.vm.cfg.capacity_blocks((n * b) as u64))
+                Some(self.vm.cfg.scraped_capacity_blocks((n * b) as u64))
             }
             _ => None,
         };

@@ -139,10 +139,13 @@ pub enum Counter {
     PeerRequestsRefused,
     /// A peer's placement numbered but never written (its VM died), stepped over.
     PeerGapsSkipped,
+    /// Routed requests the endpoint answered 4xx (a bad request, a prompt over its context,
+    /// a rate limit): it took no prompt, so the charge and the index insert are undone.
+    Refused,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 27] = [
+    pub const ALL: [Counter; 28] = [
         Counter::Routed,
         Counter::Released,
         Counter::FailedEarly,
@@ -170,6 +173,7 @@ impl Counter {
         Counter::PeerErrors,
         Counter::PeerRequestsRefused,
         Counter::PeerGapsSkipped,
+        Counter::Refused,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -201,6 +205,7 @@ impl Counter {
             Counter::PeerErrors => "tokenaware_peer_errors",
             Counter::PeerRequestsRefused => "tokenaware_peer_requests_refused",
             Counter::PeerGapsSkipped => "tokenaware_peer_gaps_skipped",
+            Counter::Refused => "tokenaware_requests_refused",
         }
     }
 

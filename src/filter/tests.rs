@@ -337,6 +337,34 @@ fn an_answer_not_streamed_is_released_once_at_its_end() {
 }
 
 #[test]
+fn a_request_the_endpoint_refuses_leaves_nothing_there() {
+    let h = FakeHost::new();
+    let vm = vm(&h, r#","decisionHeader":true"#);
+    let body = chat(&"shared ".repeat(2_000), "q");
+    for status in [400, 429] {
+        let (mut f, _) = send(&h, &vm, CHAT, &body);
+        h.set_response_status(status);
+        f.on_response_headers(&h, false);
+        *h.response_body.borrow_mut() = b"{\"error\":\"maximum context length\"}".to_vec();
+        f.on_response_body(&h, 34, true);
+        f.on_log(&h);
+        assert_ledger_zero(&h, &vm);
+        // Nothing stayed in the index: the next request is cold again.
+        let (mut g, _) = send(&h, &vm, CHAT, &body);
+        respond(&h, &mut g, b"{}");
+        let note = h.response_header_value(DECISION).unwrap();
+        assert!(note.contains("reason=cold"), "{status}: {note}");
+        let r = vm.router.borrow();
+        for s in 0..3 {
+            r.clear_slot(&h, s).unwrap();
+        }
+    }
+    assert_eq!(h.metric("tokenaware_requests_refused"), 2);
+    assert_eq!(h.metric("tokenaware_requests_failed_early"), 0);
+    assert_eq!(h.metric("tokenaware_requests_released"), 4);
+}
+
+#[test]
 fn failures_before_the_first_byte_roll_back_the_index() {
     let h = FakeHost::new();
     let vm = vm(&h, r#","decisionHeader":true"#);
@@ -1108,6 +1136,53 @@ fn streamed_first_bytes_and_usage_feed_the_estimates() {
         bpt < 4.0,
         "2,700 served tokens for ~8 KB teach < 4 bytes/token: {bpt}"
     );
+}
+
+#[test]
+fn an_answer_from_a_fallback_teaches_the_picked_endpoint_nothing() {
+    let h = FakeHost::new();
+    let vm = vm(&h, r#","peakPrefillThroughput":"auto""#);
+    let samples = |h: &FakeHost| -> u64 {
+        let r = vm.router.borrow();
+        let table = vm.table(h);
+        let est = |slot| r.estimator.read(h, slot).map(|x| (x.total, x.cache_checks));
+        table.endpoints.iter().map(|e| est(e.slot).unwrap().0).sum()
+    };
+    // Warm: the picked endpoint answers, one TTFT sample.
+    answer(&h, &vm, true, 300);
+    assert_eq!(samples(&h), 1);
+    // The same prompt, a predicted hit; Envoy's fallback answers it, without the prefix.
+    let body = serde_json::json!({
+        "model": "m",
+        "stream": true,
+        "messages": [{"role": "system", "content": "p".repeat(8_000)}, {"role": "user", "content": "q"}],
+    })
+    .to_string();
+    let (mut f, _) = send(&h, &vm, CHAT, body.as_bytes());
+    let fallback = h.header_values(DESTINATION)[0]
+        .split(',')
+        .nth(1)
+        .unwrap()
+        .to_string();
+    *h.upstream.borrow_mut() = Some(fallback);
+    h.set_response_status(200);
+    f.on_response_headers(&h, false);
+    h.now.set(h.now.get() + 300);
+    let chunks: [&[u8]; 2] = [
+        b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n",
+        b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":2700,\"prompt_tokens_details\":{\"cached_tokens\":0}}}\n\ndata: [DONE]\n\n",
+    ];
+    for c in chunks {
+        *h.response_body.borrow_mut() = c.to_vec();
+        f.on_response_body(&h, c.len(), false);
+    }
+    f.on_log(&h);
+    assert_eq!(h.metric("tokenaware_served_by_fallback"), 1);
+    // Neither its first byte nor its cache miss is the picked endpoint's.
+    assert_eq!(samples(&h), 1);
+    assert_eq!(h.metric("tokenaware_cache_predictions_missed"), 0);
+    assert_eq!(h.metric("tokenaware_usage_prompt_tokens"), 2 * 2_700);
+    assert_ledger_zero(&h, &vm);
 }
 
 #[test]
