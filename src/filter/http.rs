@@ -546,17 +546,20 @@ fn tell_peers<H: Host>(h: &H, vm: &Vm, kept: Result<Option<u64>, StoreError>) ->
 }
 
 /// Whether the picked endpoint still holds the slot it was charged on. Discovery clears a
-/// departed endpoint's slot and may give it to a new endpoint at once: a request still in
-/// flight on the old one must not return its charge (or undo its index insert) there.
+/// departed endpoint's slot and may give it to a new endpoint at once, and so does a reload
+/// whose static list drops one endpoint and adds another: a request still in flight on the
+/// old one must not return its charge (or undo its index insert) there.
 fn slot_is_ours<H: Host>(h: &H, vm: &Vm, routed: &Routed) -> bool {
-    // Without discovery the table never changes hands: skip the lookup.
-    if vm.cfg.discovery.is_none() {
-        return true;
-    }
     let Some(picked) = routed.addresses.first() else {
         return false;
     };
-    vm.table(h)
+    // The table's version through the kept reads (`sharedReadMaxAgeMs`): the decision just
+    // before has most often read it, and a new table shows here at most that late.
+    let table = match h.now_ms() {
+        Ok(now) => vm.table(&vm.recent.at(h, now)),
+        Err(_) => vm.table(&vm.recent.fresh(h)),
+    };
+    table
         .endpoints
         .iter()
         .any(|e| e.slot == routed.charge.slot && e.address == *picked)

@@ -1072,6 +1072,44 @@ fn a_new_static_list_replaces_the_stored_table_and_keeps_slots() {
     }
 }
 
+#[test]
+fn a_request_in_flight_across_a_reload_leaves_its_old_slots_new_owner_alone() {
+    let h = FakeHost::new();
+    let a = root(&h, "", 1);
+    let vm_a = a.vm();
+    // In flight on 8001 (slot 0) under the first configuration.
+    let in_flight = |vm: &Rc<Vm>, want: &str| -> HttpFilter {
+        for q in 0..50 {
+            let (mut f, _) = send(
+                &h,
+                vm,
+                CHAT,
+                &chat(&format!("prompt {q} ").repeat(300), "q"),
+            );
+            if h.header_values(DESTINATION)[0].starts_with(want) {
+                return f;
+            }
+            respond(&h, &mut f, b"{}");
+        }
+        panic!("never routed to {want}");
+    };
+    let mut old = in_flight(&vm_a, "127.0.0.1:8001,");
+    // A reload drops 8001 and adds 8004, which takes its slot; a request is charged there.
+    let json = r#"{"endpoints":[{"address":"127.0.0.1:8002"},{"address":"127.0.0.1:8003"},{"address":"127.0.0.1:8004"}],"statsFlushMs":0}"#;
+    let vm_b = configured(&h, json, 2).vm();
+    assert_eq!(vm_b.table(&h).get("127.0.0.1:8004").unwrap().slot, 0);
+    let mut new = in_flight(&vm_b, "127.0.0.1:8004,");
+    let charged = loads(&h, &vm_b)[0];
+    assert_eq!(charged.requests, 1);
+    // The old request ends (past `sharedReadMaxAgeMs`, its VM's kept reads of the table's
+    // version are too old): its charge left with 8001, so 8004's stays as it was.
+    h.now.set(h.now.get() + 10);
+    respond(&h, &mut old, b"{}");
+    assert_eq!(loads(&h, &vm_b)[0], charged);
+    respond(&h, &mut new, b"{}");
+    assert_ledger_zero(&h, &vm_b);
+}
+
 /// One request with a streamed (or not) answer whose first body byte comes `ttft_ms` after
 /// the decision, and a final chunk carrying `usage`.
 fn answer(h: &FakeHost, vm: &Rc<Vm>, stream: bool, ttft_ms: u64) {

@@ -450,9 +450,15 @@ fn istio_bootstrap(filter: &Value, clusters: &Value, wasm: &Path) -> Value {
                 assert_eq!(m["name"], HCM);
                 let before = m["subFilter"]["name"].as_str().unwrap();
                 let name = value["name"].as_str().unwrap();
-                // Resolved through ECDS: the EXTENSION_CONFIG of the same name, localised.
-                assert_eq!(value["config_discovery"]["type_urls"][0], WASM_TYPE);
-                let typed = localize(ext[name].clone(), wasm);
+                let typed = match value.get("typed_config") {
+                    Some(inline) => inline.clone(),
+                    None => {
+                        // Resolved through ECDS: the EXTENSION_CONFIG of the same name,
+                        // localised.
+                        assert_eq!(value["config_discovery"]["type_urls"][0], WASM_TYPE);
+                        localize(ext[name].clone(), wasm)
+                    }
+                };
                 let filters = http_filters(&mut listener);
                 let at = filters
                     .iter()
@@ -707,6 +713,31 @@ fn filter_named<'a>(listener: &'a Value, root_id: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no wasm filter with root_id {root_id} in {names:?}"))
 }
 
+/// A header_mutation filter that removes both destination headers comes before the wasm
+/// filter with `root_id`.
+fn strips_destination_before(listener: &Value, root_id: &str) {
+    let filters = hcm_config(listener)["http_filters"].as_array().unwrap();
+    let wasm_at = filters
+        .iter()
+        .position(|f| f["typed_config"]["config"]["root_id"] == root_id)
+        .expect("the wasm filter");
+    let strips = |f: &Value| {
+        let removed: Vec<&str> = f["typed_config"]["mutations"]["request_mutations"]
+            .as_array()
+            .map(|m| m.iter().filter_map(|x| x["remove"].as_str()).collect())
+            .unwrap_or_default();
+        f["typed_config"]["@type"]
+            == "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation"
+            && removed.contains(&"x-gateway-destination-endpoint")
+            && removed.contains(&"x-gateway-destination-endpoint-served")
+    };
+    let names: Vec<&str> = filters.iter().filter_map(|f| f["name"].as_str()).collect();
+    assert!(
+        filters[..wasm_at].iter().any(strips),
+        "no strip of the destination headers before the filter: {names:?}"
+    );
+}
+
 fn as_u64(v: &Value) -> Option<u64> {
     v.as_u64().or_else(|| v.as_str()?.parse().ok())
 }
@@ -795,6 +826,8 @@ fn istio_patches_give_a_valid_envoy_config() {
         f["typed_config"]["config"]["allow_on_headers_stop_iteration"],
         true
     );
+    // Client-sent destination headers go before the filter runs (or is skipped, failed open).
+    strips_destination_before(listener, "tokenaware");
     let cs = boot["static_resources"]["clusters"].as_array().unwrap();
     let model = cs
         .iter()
@@ -930,6 +963,8 @@ fn envoy_gateway_patches_give_a_valid_envoy_config() {
         f["typed_config"]["config"]["allow_on_headers_stop_iteration"],
         true
     );
+    // Client-sent destination headers go before the filter runs (or is skipped, failed open).
+    strips_destination_before(listener, "tokenaware");
     let cs = boot["static_resources"]["clusters"].as_array().unwrap();
     let model = cs.iter().find(|c| c["name"] == EG_MODEL_CLUSTER).unwrap();
     assert_eq!(
