@@ -25,8 +25,6 @@ pub const DESTINATION_SERVED: &str = "x-gateway-destination-endpoint-served";
 pub const DECISION: &str = "x-tokenaware-decision";
 /// The replicas' shared secret on a peer poll (`peers.token`).
 pub const PEER_TOKEN: &str = "x-tokenaware-peer-token";
-/// Set on responses by Envoy when the route has `include_attempt_count_in_response`.
-pub const ATTEMPT_COUNT: &str = "x-envoy-attempt-count";
 
 /// What the host should do with the stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -210,19 +208,17 @@ impl HttpFilter {
         Action::Continue
     }
 
-    /// When Envoy retried on a fallback, the picked endpoint never saw the prompt: undo its
-    /// index insert and return the charge now (the request is not counted against the
-    /// endpoint that did answer; its prefix is learned when it is picked). Returns whether
-    /// the picked endpoint answered (as far as Envoy says).
+    /// When another endpoint answered (Envoy retried on a fallback, or `override_host` passed
+    /// over the picked host because Envoy holds it unhealthy, in the same attempt), the picked
+    /// endpoint never saw the prompt: undo its index insert and return the charge now (the
+    /// request is not counted against the endpoint that did answer; its prefix is learned
+    /// when it is picked). Returns whether the picked endpoint answered (as far as Envoy
+    /// says). The upstream address is read on every answer: an attempt count of one does
+    /// not tell, and the read measured no cost (docs/benchmarks.md).
     fn check_served_by<H: Host>(&mut self, h: &H) -> bool {
         let (Some(routed), Some(vm)) = (self.routed.as_mut(), self.vm.as_ref()) else {
             return false;
         };
-        // With `include_attempt_count_in_response`, one attempt means the picked endpoint
-        // answered: skip the (costly) upstream address lookup.
-        if matches!(h.response_header(ATTEMPT_COUNT), Ok(Some(n)) if n == b"1") {
-            return true;
-        }
         let Ok(Some(served)) = h.upstream_address() else {
             return true;
         };

@@ -734,7 +734,15 @@ fn an_answer_from_a_fallback_undoes_the_pick() {
     let dest = h.header_values(DESTINATION)[0].clone();
     let fallback = dest.split(',').nth(1).unwrap().to_string();
     *h.upstream.borrow_mut() = Some(fallback);
-    respond(&h, &mut f, b"{}");
+    // In the first attempt: override_host passed over a host Envoy holds unhealthy.
+    h.set_response_status(200);
+    h.response_headers
+        .borrow_mut()
+        .push(("x-envoy-attempt-count".into(), b"1".to_vec()));
+    assert_eq!(f.on_response_headers(&h, false), Action::Continue);
+    *h.response_body.borrow_mut() = b"{}".to_vec();
+    f.on_response_body(&h, 2, true);
+    f.on_log(&h);
     assert_eq!(h.metric("tokenaware_served_by_fallback"), 1);
     assert_eq!(h.metric("tokenaware_requests_released"), 1);
     assert_ledger_zero(&h, &vm);
