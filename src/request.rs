@@ -130,10 +130,18 @@ pub fn parse(
     if body.len() > limits.max_body_bytes {
         return Err(ParseError::TooLarge);
     }
-    if kind == ApiKind::ChatCompletions {
-        if let Some((fields, prompt)) = borrowed::chat(body, limits.max_depth) {
-            return Ok(request(fields, prompt, None));
+    match kind {
+        ApiKind::ChatCompletions => {
+            if let Some((fields, prompt)) = borrowed::chat(body, limits.max_depth) {
+                return Ok(request(fields, prompt, None));
+            }
         }
+        ApiKind::Completions => {
+            if let Some((fields, prompt, ids)) = borrowed::completions(body, limits.max_depth) {
+                return Ok(request(fields, prompt, ids));
+            }
+        }
+        ApiKind::Responses => {}
     }
     parse_tree(kind, body, limits)
 }
@@ -865,6 +873,92 @@ mod tests {
                 }
                 check_against_tree(&format!("{{{}}}", fields.join(",")), max_depth)?;
             }
+        }
+
+        fn token_id() -> impl Strategy<Value = String> {
+            prop_oneof![
+                4 => (0u64..100_000).prop_map(|n| n.to_string()),
+                1 => one_of(&["4294967295", "4294967296", "-1", "-0", "1.0", "1e3", "\"7\"", "null", "true"]),
+            ]
+        }
+
+        fn token_ids() -> impl Strategy<Value = String> {
+            prop::collection::vec(token_id(), 0..5).prop_map(|v| format!("[{}]", v.join(",")))
+        }
+
+        fn prompt_string() -> impl Strategy<Value = String> {
+            one_of(&[r#""p""#, r#""""#, r#""a\nb\u00e9""#, r#""x\"y""#])
+        }
+
+        fn prompt_field() -> impl Strategy<Value = String> {
+            let item = prop_oneof![
+                token_id(),
+                prompt_string(),
+                token_ids(),
+                one_of(&["null", "{}", "[[1]]"])
+            ];
+            prop_oneof![
+                2 => prompt_string().prop_map(|s| format!(r#""prompt":{s}"#)),
+                3 => token_ids().prop_map(|s| format!(r#""prompt":{s}"#)),
+                3 => prop::collection::vec(item, 0..4).prop_map(|v| format!(r#""prompt":[{}]"#, v.join(","))),
+                1 => one_of(&[r#""prompt":null"#, r#""prompt":5"#, r#""prompt":{}"#]),
+            ]
+        }
+
+        fn check_completions_against_tree(
+            body: &str,
+            max_depth: usize,
+        ) -> Result<(), TestCaseError> {
+            let limits = ParseLimits {
+                max_depth,
+                ..ParseLimits::default()
+            };
+            let tree = parse_tree(Comp, body.as_bytes(), &limits);
+            prop_assert_eq!(parse(Comp, body.as_bytes(), &limits), tree.clone());
+            if let Some((f, prompt, ids)) = borrowed::completions(body.as_bytes(), max_depth) {
+                prop_assert_eq!(Ok(request(f, prompt, ids)), tree);
+            }
+            Ok(())
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2_000))]
+            /// As for chat: what the borrowed read accepts reads as the tree walk does.
+            #[test]
+            fn borrowed_completions_read_as_the_tree(
+                fields in prop::collection::vec(prop_oneof![3 => top_field(), 2 => prompt_field()], 0..6),
+                prompt in prompt_field(),
+                max_depth in prop_oneof![Just(64usize), 8usize..12, 0usize..8],
+            ) {
+                let body = format!("{{{}}}", fields.join(","));
+                check_completions_against_tree(&body, max_depth)?;
+                let tail = [r#""model":"m""#.to_string(), prompt];
+                let body = format!("{{{}}}", fields.into_iter().chain(tail).collect::<Vec<_>>().join(","));
+                check_completions_against_tree(&body, max_depth)?;
+            }
+        }
+
+        #[test]
+        fn completions_of_token_ids_are_read_without_a_tree() {
+            let ids: Vec<String> = (0..1_000).map(|i| i.to_string()).collect();
+            let body = format!(
+                r#"{{"model":"m","prompt":[{}],"stream":true}}"#,
+                ids.join(",")
+            );
+            let (f, prompt, n) = borrowed::completions(body.as_bytes(), 64).unwrap();
+            assert_eq!((f.model.as_str(), f.stream, n), ("m", true, Some(1_000)));
+            assert_eq!(prompt.len(), 4_000);
+            assert_eq!(&prompt[4..8], &1u32.to_le_bytes());
+            let nested = r#"{"model":"m","prompt":[[1,2],[3]]}"#;
+            assert_eq!(
+                borrowed::completions(nested.as_bytes(), 64).unwrap().2,
+                Some(3)
+            );
+            let texts = r#"{"model":"m","prompt":["a","b"]}"#;
+            assert_eq!(
+                borrowed::completions(texts.as_bytes(), 64).unwrap().1,
+                b"a\x1eb"
+            );
         }
 
         proptest! {

@@ -1,11 +1,13 @@
-//! The chat-completions body read in one pass, without building a JSON tree: the message
-//! texts are borrowed from the body, and what the router does not read is skipped (with
-//! `parse`'s depth rule kept). Only small subtrees whose canonical bytes are their compact
+//! Chat-completions and completions bodies read in one pass, without building a JSON tree:
+//! the message texts are borrowed from the body (a completions prompt is copied straight
+//! into the canonical bytes, token ids included), and what the router does not read is
+//! skipped (with `parse`'s depth rule kept). Only small subtrees whose canonical bytes are their compact
 //! JSON (tools, tool calls, content parts) become `Value`s. On success it gives exactly what
 //! the tree walk gives; anything unusual (an error, an empty prompt, a wrong type, a
 //! duplicate the tree would settle differently) returns `None`, and `parse` then walks the
 //! tree, which names the error. Most of a warm request's parse time was building and
-//! dropping that tree.
+//! dropping that tree; and a tree of a completions body of token ids takes some twenty times
+//! the body in memory, which a VM's linear memory keeps.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -54,6 +56,36 @@ pub(super) fn chat(body: &[u8], max_depth: usize) -> Option<(Fields, Vec<u8>)> {
         cache_salt: chat.cache_salt.map(Cow::into_owned),
     };
     Some((fields, out))
+}
+
+/// A completions body: its fields, the prompt's canonical bytes, and the number of token ids
+/// when the prompt is ids; `None` when the tree walk must decide.
+pub(super) fn completions(body: &[u8], max_depth: usize) -> Option<(Fields, Vec<u8>, Option<u64>)> {
+    if max_depth < KNOWN_DEPTH {
+        return None;
+    }
+    let mut out = Vec::with_capacity(body.len());
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let c = CompletionsSeed {
+        max_depth,
+        out: &mut out,
+    }
+    .deserialize(&mut de)
+    .ok()?;
+    de.end().ok()?;
+    let model = c.model.filter(|m| !m.is_empty())?.into_owned();
+    let ids = match c.prompt? {
+        Prompt::Text => None,
+        Prompt::Ids(0) => return None,
+        Prompt::Ids(n) => Some(n),
+    };
+    let fields = Fields {
+        model,
+        stream: c.stream.unwrap_or(false),
+        max_tokens: c.max_tokens.into_iter().flatten().next(),
+        cache_salt: c.cache_salt.map(Cow::into_owned),
+    };
+    Some((fields, out, ids))
 }
 
 #[derive(Default)]
@@ -131,6 +163,7 @@ enum Key {
     Role,
     Content,
     Extra(usize),
+    Prompt,
     Other,
 }
 
@@ -157,6 +190,7 @@ impl<'de> Deserialize<'de> for Key {
                     "tool_calls" => Key::Extra(0),
                     "name" => Key::Extra(1),
                     "tool_call_id" => Key::Extra(2),
+                    "prompt" => Key::Prompt,
                     _ => Key::Other,
                 })
             }
@@ -353,5 +387,188 @@ impl<'de> Visitor<'de> for Skip {
             map.next_value_seed(Skip(self.0 - 1))?;
         }
         Ok(())
+    }
+}
+
+#[derive(Default)]
+struct Completions<'a> {
+    model: Option<Cow<'a, str>>,
+    stream: Option<bool>,
+    max_tokens: [Option<u64>; 3],
+    cache_salt: Option<Cow<'a, str>>,
+    prompt: Option<Prompt>,
+}
+
+/// What a completions prompt was: text (one string, or strings joined by `RS`), or this
+/// many token ids (4 bytes each).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Prompt {
+    Text,
+    Ids(u64),
+}
+
+/// Reads a completions body, the prompt written into `out` as it is read.
+struct CompletionsSeed<'o> {
+    max_depth: usize,
+    out: &'o mut Vec<u8>,
+}
+
+impl<'de> DeserializeSeed<'de> for CompletionsSeed<'_> {
+    type Value = Completions<'de>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Completions<'de>, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for CompletionsSeed<'_> {
+    type Value = Completions<'de>;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a completions request")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Completions<'de>, A::Error> {
+        let mut c = Completions::default();
+        while let Some(key) = map.next_key::<Key>()? {
+            match key {
+                Key::Model => c.model = text(&mut map)?,
+                Key::Stream => c.stream = map.next_value()?,
+                Key::MaxTokens(i) => {
+                    let v = map.next_value()?;
+                    if let Some(slot) = c.max_tokens.get_mut(i) {
+                        *slot = v;
+                    }
+                }
+                Key::CacheSalt => c.cache_salt = text(&mut map)?,
+                // The tree keeps a duplicate's last value; the bytes here hold the first.
+                Key::Prompt if c.prompt.is_some() => return Err(de::Error::custom("twice")),
+                Key::Prompt => c.prompt = Some(map.next_value_seed(PromptSeed(&mut *self.out))?),
+                _ => map.next_value_seed(Skip(self.max_depth as isize - 1))?,
+            }
+        }
+        Ok(c)
+    }
+}
+
+/// `prompt`: a non-empty string, or an array of strings, of token ids, or of arrays of
+/// token ids. Anything else (null, empty, mixed) is the tree walk's error.
+struct PromptSeed<'o>(&'o mut Vec<u8>);
+
+impl<'de> DeserializeSeed<'de> for PromptSeed<'_> {
+    type Value = Prompt;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Prompt, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for PromptSeed<'_> {
+    type Value = Prompt;
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a prompt")
+    }
+    fn visit_str<E: de::Error>(self, s: &str) -> Result<Prompt, E> {
+        if s.is_empty() {
+            return Err(E::custom("empty prompt"));
+        }
+        self.0.extend_from_slice(s.as_bytes());
+        Ok(Prompt::Text)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
+        let out = self.0;
+        let (kind, mut ids) = seq
+            .next_element_seed(Item {
+                out: &mut *out,
+                want: None,
+            })?
+            .ok_or_else(|| de::Error::custom("empty prompt"))?;
+        // Every later item is of the first one's kind: a string, an id, or an array of ids.
+        let want = Some(kind);
+        while let Some((_, n)) = seq.next_element_seed(Item {
+            out: &mut *out,
+            want,
+        })? {
+            ids += n;
+        }
+        Ok(match kind {
+            ItemKind::Text => Prompt::Text,
+            ItemKind::Id | ItemKind::Ids => Prompt::Ids(ids),
+        })
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum ItemKind {
+    Text,
+    Id,
+    Ids,
+}
+
+/// One item of a prompt array, written into `out` (strings after the first one `RS` apart,
+/// ids as 4 little-endian bytes); `want` is the first item's kind. Gives its kind and ids.
+struct Item<'o> {
+    out: &'o mut Vec<u8>,
+    want: Option<ItemKind>,
+}
+
+impl Item<'_> {
+    fn check<E: de::Error>(&self, kind: ItemKind) -> Result<(), E> {
+        match self.want {
+            Some(w) if w != kind => Err(E::custom("mixed prompt")),
+            _ => Ok(()),
+        }
+    }
+}
+
+impl<'de> DeserializeSeed<'de> for Item<'_> {
+    type Value = (ItemKind, u64);
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Item<'_> {
+    type Value = (ItemKind, u64);
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a prompt item")
+    }
+    fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
+        self.check(ItemKind::Text)?;
+        if self.want.is_some() {
+            self.out.push(super::RS);
+        }
+        self.out.extend_from_slice(s.as_bytes());
+        Ok((ItemKind::Text, 0))
+    }
+    fn visit_u64<E: de::Error>(self, n: u64) -> Result<Self::Value, E> {
+        self.check(ItemKind::Id)?;
+        let id = u32::try_from(n).map_err(E::custom)?;
+        self.out.extend_from_slice(&id.to_le_bytes());
+        Ok((ItemKind::Id, 1))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        self.check(ItemKind::Ids)?;
+        let mut n = 0;
+        while let Some(TokenId(id)) = seq.next_element()? {
+            self.out.extend_from_slice(&id.to_le_bytes());
+            n += 1;
+        }
+        Ok((ItemKind::Ids, n))
+    }
+}
+
+/// A token id: an integer in `u32`.
+struct TokenId(u32);
+
+impl<'de> Deserialize<'de> for TokenId {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = TokenId;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a token id")
+            }
+            fn visit_u64<E: de::Error>(self, n: u64) -> Result<TokenId, E> {
+                u32::try_from(n).map(TokenId).map_err(E::custom)
+            }
+        }
+        d.deserialize_u64(V)
     }
 }
