@@ -711,10 +711,14 @@ impl Estimator {
         if !(0.5..=64.0).contains(&ratio) {
             return Ok(());
         }
+        // Ratio of decayed sums: long prompts weigh more, as they should, but one request
+        // at most `MAX_RATIO_SAMPLE_TOKENS` tokens' worth: a client's one huge prompt that
+        // tokenizes unusually (a long run of spaces) cannot set the ratio every request of
+        // the model is charged by.
+        let w = (MAX_RATIO_SAMPLE_TOKENS / tokens as f64).min(1.0);
         update(s, &self.model_key(model), |old| {
             let (b, t) = decode_sums(old).unwrap_or((0.0, 0.0));
-            // Ratio of decayed sums: long prompts weigh more, as they should.
-            let (b, t) = (b * 0.99 + bytes as f64, t * 0.99 + tokens as f64);
+            let (b, t) = (b * 0.99 + bytes as f64 * w, t * 0.99 + tokens as f64 * w);
             let mut v = b.to_le_bytes().to_vec();
             v.extend_from_slice(&t.to_le_bytes());
             Some((v, ()))
@@ -722,6 +726,9 @@ impl Estimator {
         .map(|_| ())
     }
 }
+
+/// The most one request weighs in a model's bytes per token, in tokens.
+const MAX_RATIO_SAMPLE_TOKENS: f64 = 8_192.0;
 
 fn decode_sums(v: &[u8]) -> Option<(f64, f64)> {
     if v.len() != 16 {
@@ -1310,6 +1317,22 @@ mod tests {
         }
         assert!((e.bytes_per_token(&s, "a").unwrap() - 3.0).abs() < 1e-9);
         assert_eq!(e.bytes_per_token(&s, "b").unwrap(), 4.0);
+    }
+
+    #[test]
+    fn one_huge_prompt_cannot_set_a_models_bytes_per_token() {
+        let s = MemStore::new();
+        let e = Estimator::new("t", 15_000.0, 4.0);
+        for _ in 0..50 {
+            e.observe_bytes_per_token(&s, "m", 8_000, 2_000).unwrap();
+        }
+        // 4 MB of whitespace read as 250k tokens (16 bytes a token): weighed as 8,192
+        // tokens' worth, it moves the ratio, it does not take it over.
+        e.observe_bytes_per_token(&s, "m", 4_000_000, 250_000)
+            .unwrap();
+        let ratio = e.bytes_per_token(&s, "m").unwrap();
+        assert!(ratio < 6.5, "{ratio}");
+        assert!(ratio > 4.0, "{ratio}");
     }
 
     #[test]

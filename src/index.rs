@@ -338,9 +338,18 @@ impl AffinityIndex {
         for &(j, _) in &touch {
             let seg = segment(chain, j);
             let t = tag(seg.first().copied().unwrap_or(0), slot);
-            self.load_headers(s, t % self.buckets, &mut headers)?;
-            if let Some(w) = self.write_entry(s, t, stamp, slot, seg, now_s, &headers)? {
-                receipt.written.push(w);
+            let written = self
+                .load_headers(s, t % self.buckets, &mut headers)
+                .and_then(|()| self.write_entry(s, t, stamp, slot, seg, now_s, &headers));
+            match written {
+                Ok(Some(w)) => receipt.written.push(w),
+                Ok(None) => {}
+                Err(e) => {
+                    // The request falls back unrouted: the segments written so far go too,
+                    // or the next request would stick to a prompt this endpoint never saw.
+                    let _ = self.rollback(s, &receipt);
+                    return Err(e);
+                }
             }
         }
         Ok(receipt)
@@ -784,6 +793,36 @@ mod tests {
         fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
             self.0.set(key, value, cas)
         }
+    }
+
+    /// Fails its `n`-th write (counting from 1) as the host would; every other goes through.
+    struct FailsWrite<'a>(&'a MemStore, std::cell::Cell<u32>, u32);
+
+    impl SharedStore for FailsWrite<'_> {
+        fn get(&self, key: &str) -> Result<(Option<Bytes>, Option<Cas>), StoreError> {
+            self.0.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
+            self.1.set(self.1.get() + 1);
+            match self.1.get() == self.2 {
+                true => Err(StoreError::Host),
+                false => self.0.set(key, value, cas),
+            }
+        }
+    }
+
+    #[test]
+    fn an_insert_that_fails_midway_leaves_nothing_behind() {
+        let a = chain(1, 3 * SEGMENT);
+        // How many writes a whole insert makes; its last is the last segment's entry.
+        let (ix, s) = index(10_000, 1);
+        let all = FailsWrite(&s, Default::default(), 0);
+        assert_eq!(ix.insert(&all, 0, &a, 0).unwrap().written.len(), 3);
+        let (ix, s) = index(10_000, 1);
+        let last = FailsWrite(&s, Default::default(), all.1.get());
+        assert_eq!(ix.insert(&last, 0, &a, 0).unwrap_err(), StoreError::Host);
+        // The two segments written before it are gone: the prompt matches nothing.
+        assert_eq!(ix.matched(&s, 0, &a).unwrap().blocks, 0);
     }
 
     #[test]
