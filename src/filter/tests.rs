@@ -75,6 +75,15 @@ fn send(h: &FakeHost, vm: &Rc<Vm>, path: &str, body: &[u8]) -> (HttpFilter, Vec<
     (f, acts)
 }
 
+/// Streams `chunks` as the answer's body (its headers already seen), then the stream ends.
+fn stream_then_end(h: &FakeHost, f: &mut HttpFilter, chunks: &[&[u8]]) {
+    for c in chunks {
+        *h.response_body.borrow_mut() = c.to_vec();
+        f.on_response_body(h, c.len(), false);
+    }
+    f.on_log(h);
+}
+
 /// Runs a successful response: 200 headers, one body chunk, end of stream.
 fn respond(h: &FakeHost, f: &mut HttpFilter, body: &[u8]) {
     h.set_response_status(200);
@@ -348,16 +357,7 @@ fn a_request_the_endpoint_refuses_leaves_nothing_there() {
         *h.response_body.borrow_mut() = b"{\"error\":\"maximum context length\"}".to_vec();
         f.on_response_body(&h, 34, true);
         f.on_log(&h);
-        assert_ledger_zero(&h, &vm);
-        // Nothing stayed in the index: the next request is cold again.
-        let (mut g, _) = send(&h, &vm, CHAT, &body);
-        respond(&h, &mut g, b"{}");
-        let note = h.response_header_value(DECISION).unwrap();
-        assert!(note.contains("reason=cold"), "{status}: {note}");
-        let r = vm.router.borrow();
-        for s in 0..3 {
-            r.clear_slot(&h, s).unwrap();
-        }
+        nothing_stayed(&h, &vm, &body, &status.to_string());
     }
     assert_eq!(h.metric("tokenaware_requests_refused"), 2);
     assert_eq!(h.metric("tokenaware_requests_failed_early"), 0);
@@ -379,19 +379,24 @@ fn failures_before_the_first_byte_roll_back_the_index() {
             f.on_response_body(&h, 22, true);
         }
         f.on_log(&h);
-        assert_ledger_zero(&h, &vm);
-        // Nothing stayed in the index: the next request is cold again.
-        let (mut g, _) = send(&h, &vm, CHAT, &body);
-        respond(&h, &mut g, b"{}");
-        let note = h.response_header_value(DECISION).unwrap();
-        assert!(note.contains("reason=cold"), "{early}: {note}");
-        // Forget that one too, for the next round.
-        let r = vm.router.borrow();
-        for s in 0..3 {
-            r.clear_slot(&h, s).unwrap();
-        }
+        nothing_stayed(&h, &vm, &body, early);
     }
     assert_eq!(h.metric("tokenaware_requests_failed_early"), 2);
+}
+
+/// After a request that ended before the picked endpoint took it (`case`): nothing stays
+/// charged, and nothing in the index (the same prompt is cold again). Then forgets that
+/// one's placement too, for the next case.
+fn nothing_stayed(h: &FakeHost, vm: &Rc<Vm>, body: &[u8], case: &str) {
+    assert_ledger_zero(h, vm);
+    let (mut g, _) = send(h, vm, CHAT, body);
+    respond(h, &mut g, b"{}");
+    let note = h.response_header_value(DECISION).unwrap();
+    assert!(note.contains("reason=cold"), "{case}: {note}");
+    let r = vm.router.borrow();
+    for s in 0..3 {
+        r.clear_slot(h, s).unwrap();
+    }
 }
 
 #[test]
@@ -455,11 +460,7 @@ fn usage_is_counted_from_the_response_tail() {
         b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":120,\"prompt_tokens_details\":{\"cached_tokens\":64}}}\n\n",
         b"data: [DONE]\n\n",
     ];
-    for c in chunks {
-        *h.response_body.borrow_mut() = c.to_vec();
-        f.on_response_body(&h, c.len(), false);
-    }
-    f.on_log(&h);
+    stream_then_end(&h, &mut f, &chunks);
     assert_eq!(h.metric("tokenaware_usage_prompt_tokens"), 120);
     assert_eq!(h.metric("tokenaware_usage_cached_tokens"), 64);
     let ratio = h.histogram("tokenaware_prompt_tokens_per_100_estimated");
@@ -1140,27 +1141,26 @@ fn answer_then_wait(h: &FakeHost, vm: &Rc<Vm>, stream: bool, ttft_ms: u64, gap_m
         b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n",
         b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":2700}}\n\ndata: [DONE]\n\n",
     ];
-    for c in chunks {
-        *h.response_body.borrow_mut() = c.to_vec();
-        f.on_response_body(h, c.len(), false);
-    }
-    f.on_log(h);
+    stream_then_end(h, &mut f, &chunks);
     h.now.set(h.now.get() + gap_ms);
+}
+
+/// TTFT samples the estimates hold, over every endpoint.
+fn ttft_samples(h: &FakeHost, vm: &Vm) -> u64 {
+    let r = vm.router.borrow();
+    let table = vm.table(h);
+    table
+        .endpoints
+        .iter()
+        .map(|e| r.estimator.read(h, e.slot).map(|x| x.total).unwrap_or(0))
+        .sum()
 }
 
 #[test]
 fn streamed_first_bytes_and_usage_feed_the_estimates() {
     let h = FakeHost::new();
     let vm = vm(&h, r#","peakPrefillThroughput":"auto""#);
-    let samples = |h: &FakeHost| -> u64 {
-        let r = vm.router.borrow();
-        let table = vm.table(h);
-        table
-            .endpoints
-            .iter()
-            .map(|e| r.estimator.read(h, e.slot).map(|x| x.total).unwrap_or(0))
-            .sum()
-    };
+    let samples = |h: &FakeHost| ttft_samples(h, &vm);
     answer(&h, &vm, false, 300);
     assert_eq!(
         samples(&h),
@@ -1188,12 +1188,7 @@ fn streamed_first_bytes_and_usage_feed_the_estimates() {
 fn an_answer_from_a_fallback_teaches_the_picked_endpoint_nothing() {
     let h = FakeHost::new();
     let vm = vm(&h, r#","peakPrefillThroughput":"auto""#);
-    let samples = |h: &FakeHost| -> u64 {
-        let r = vm.router.borrow();
-        let table = vm.table(h);
-        let est = |slot| r.estimator.read(h, slot).map(|x| (x.total, x.cache_checks));
-        table.endpoints.iter().map(|e| est(e.slot).unwrap().0).sum()
-    };
+    let samples = |h: &FakeHost| ttft_samples(h, &vm);
     // Warm: the picked endpoint answers, one TTFT sample.
     answer(&h, &vm, true, 300);
     assert_eq!(samples(&h), 1);
@@ -1218,11 +1213,7 @@ fn an_answer_from_a_fallback_teaches_the_picked_endpoint_nothing() {
         b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n",
         b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":2700,\"prompt_tokens_details\":{\"cached_tokens\":0}}}\n\ndata: [DONE]\n\n",
     ];
-    for c in chunks {
-        *h.response_body.borrow_mut() = c.to_vec();
-        f.on_response_body(&h, c.len(), false);
-    }
-    f.on_log(&h);
+    stream_then_end(&h, &mut f, &chunks);
     assert_eq!(h.metric("tokenaware_served_by_fallback"), 1);
     // Neither its first byte nor its cache miss is the picked endpoint's.
     assert_eq!(samples(&h), 1);

@@ -30,15 +30,20 @@ pub(super) fn chat(body: &[u8], max_depth: usize) -> Option<(Fields, Vec<u8>)> {
     let mut de = serde_json::Deserializer::from_slice(body);
     let chat = ChatSeed { max_depth }.deserialize(&mut de).ok()?;
     de.end().ok()?;
-    let model = chat.model.filter(|m| !m.is_empty())?.into_owned();
-    let messages = chat.messages.filter(|m| !m.is_empty())?;
+    let Chat {
+        head,
+        messages,
+        tools,
+    } = chat;
+    let fields = head.fields()?;
+    let messages = messages.filter(|m| !m.is_empty())?;
     // Depths as the tree walk counts them: the body 0, `tools` 1, a message's fields 3.
     let too_deep = |v: &Value, depth: usize| deeper_than(v, max_depth - depth);
-    if chat.tools.as_ref().is_some_and(|t| too_deep(t, 1)) {
+    if tools.as_ref().is_some_and(|t| too_deep(t, 1)) {
         return None;
     }
     let mut out = Vec::with_capacity(body.len());
-    push_tools(chat.tools.as_ref(), &mut out).ok()?;
+    push_tools(tools.as_ref(), &mut out).ok()?;
     for m in &messages {
         let parts_deep = match &m.content {
             Owned::Parts(p) => p.iter().any(|v| too_deep(v, 4)),
@@ -49,12 +54,6 @@ pub(super) fn chat(body: &[u8], max_depth: usize) -> Option<(Fields, Vec<u8>)> {
         }
         push_message(&m.view(), &mut out).ok()?;
     }
-    let fields = Fields {
-        model,
-        stream: chat.stream.unwrap_or(false),
-        max_tokens: chat.max_tokens.into_iter().flatten().next(),
-        cache_salt: chat.cache_salt.map(Cow::into_owned),
-    };
     Some((fields, out))
 }
 
@@ -73,28 +72,56 @@ pub(super) fn completions(body: &[u8], max_depth: usize) -> Option<(Fields, Vec<
     .deserialize(&mut de)
     .ok()?;
     de.end().ok()?;
-    let model = c.model.filter(|m| !m.is_empty())?.into_owned();
     let ids = match c.prompt? {
         Prompt::Text => None,
         Prompt::Ids(0) => return None,
         Prompt::Ids(n) => Some(n),
     };
-    let fields = Fields {
-        model,
-        stream: c.stream.unwrap_or(false),
-        max_tokens: c.max_tokens.into_iter().flatten().next(),
-        cache_salt: c.cache_salt.map(Cow::into_owned),
-    };
-    Some((fields, out, ids))
+    Some((c.head.fields()?, out, ids))
 }
 
+/// The scheduling fields every body has, as read.
 #[derive(Default)]
-struct Chat<'a> {
+struct Head<'a> {
     model: Option<Cow<'a, str>>,
     stream: Option<bool>,
     /// `max_tokens`, `max_completion_tokens`, `max_output_tokens`: the first set counts.
     max_tokens: [Option<u64>; 3],
     cache_salt: Option<Cow<'a, str>>,
+}
+
+impl<'de> Head<'de> {
+    /// Reads `key`'s value when it is one of these fields; false leaves it to the caller.
+    fn read<A: MapAccess<'de>>(&mut self, key: &Key, map: &mut A) -> Result<bool, A::Error> {
+        match *key {
+            Key::Model => self.model = text(map)?,
+            Key::Stream => self.stream = map.next_value()?,
+            Key::MaxTokens(i) => {
+                let v = map.next_value()?;
+                if let Some(slot) = self.max_tokens.get_mut(i) {
+                    *slot = v;
+                }
+            }
+            Key::CacheSalt => self.cache_salt = text(map)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The fields; `None` without a model (the tree walk names the error).
+    fn fields(self) -> Option<Fields> {
+        Some(Fields {
+            model: self.model.filter(|m| !m.is_empty())?.into_owned(),
+            stream: self.stream.unwrap_or(false),
+            max_tokens: self.max_tokens.into_iter().flatten().next(),
+            cache_salt: self.cache_salt.map(Cow::into_owned),
+        })
+    }
+}
+
+#[derive(Default)]
+struct Chat<'a> {
+    head: Head<'a>,
     messages: Option<Vec<OwnedMessage<'a>>>,
     tools: Option<Value>,
 }
@@ -219,16 +246,10 @@ impl<'de> Visitor<'de> for ChatSeed {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Chat<'de>, A::Error> {
         let mut chat = Chat::default();
         while let Some(key) = map.next_key::<Key>()? {
+            if chat.head.read(&key, &mut map)? {
+                continue;
+            }
             match key {
-                Key::Model => chat.model = text(&mut map)?,
-                Key::Stream => chat.stream = map.next_value()?,
-                Key::MaxTokens(i) => {
-                    let v = map.next_value()?;
-                    if let Some(slot) = chat.max_tokens.get_mut(i) {
-                        *slot = v;
-                    }
-                }
-                Key::CacheSalt => chat.cache_salt = text(&mut map)?,
                 Key::Messages => chat.messages = map.next_value_seed(MessagesSeed(self))?,
                 Key::Tools => chat.tools = map.next_value()?,
                 _ => map.next_value_seed(Skip(self.max_depth as isize - 1))?,
@@ -392,10 +413,7 @@ impl<'de> Visitor<'de> for Skip {
 
 #[derive(Default)]
 struct Completions<'a> {
-    model: Option<Cow<'a, str>>,
-    stream: Option<bool>,
-    max_tokens: [Option<u64>; 3],
-    cache_salt: Option<Cow<'a, str>>,
+    head: Head<'a>,
     prompt: Option<Prompt>,
 }
 
@@ -428,16 +446,10 @@ impl<'de> Visitor<'de> for CompletionsSeed<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Completions<'de>, A::Error> {
         let mut c = Completions::default();
         while let Some(key) = map.next_key::<Key>()? {
+            if c.head.read(&key, &mut map)? {
+                continue;
+            }
             match key {
-                Key::Model => c.model = text(&mut map)?,
-                Key::Stream => c.stream = map.next_value()?,
-                Key::MaxTokens(i) => {
-                    let v = map.next_value()?;
-                    if let Some(slot) = c.max_tokens.get_mut(i) {
-                        *slot = v;
-                    }
-                }
-                Key::CacheSalt => c.cache_salt = text(&mut map)?,
                 // The tree keeps a duplicate's last value; the bytes here hold the first.
                 Key::Prompt if c.prompt.is_some() => return Err(de::Error::custom("twice")),
                 Key::Prompt => c.prompt = Some(map.next_value_seed(PromptSeed(&mut *self.out))?),
