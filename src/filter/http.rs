@@ -549,11 +549,12 @@ fn slot_is_ours<H: Host>(h: &H, vm: &Vm, routed: &Routed) -> bool {
     let Some(picked) = routed.addresses.first() else {
         return false;
     };
-    // The table's version through the kept reads (`sharedReadMaxAgeMs`): the decision just
-    // before has most often read it, and a new table shows here at most that late.
-    let table = match h.now_ms() {
-        Ok(now) => vm.table(&vm.recent.at(h, now)),
-        Err(_) => vm.table(&vm.recent.fresh(h)),
+    // With discovery the table changes hands any poll: read its version fresh. A static list
+    // changes only on a reload: the kept read (`sharedReadMaxAgeMs`) the decision just before
+    // has most often made will do, a new table showing here at most that late.
+    let table = match (vm.cfg.discovery.is_some(), h.now_ms()) {
+        (false, Ok(now)) => vm.table(&vm.recent.at(h, now)),
+        _ => vm.table(&vm.recent.fresh(h)),
     };
     table
         .endpoints
