@@ -133,6 +133,22 @@ struct Run {
     cpu_us_per_req: f64,
 }
 
+impl Run {
+    /// A run's figures from its count, length, latencies (ms), errors and the Envoy
+    /// process's CPU ticks over it.
+    fn new(requests: u64, secs: f64, (p50_ms, p99_ms): (f64, f64), errors: u64, ticks: u64) -> Run {
+        Run {
+            requests,
+            secs,
+            rps: requests as f64 / secs,
+            p50_ms,
+            p99_ms,
+            errors,
+            cpu_us_per_req: ticks as f64 / clock_ticks_per_sec() * 1e6 / requests.max(1) as f64,
+        }
+    }
+}
+
 #[derive(Debug, Serialize)]
 struct Row {
     round: usize,
@@ -217,16 +233,15 @@ fn wrk(
     let [requests, dur_us, p50, p99, sock, status] = v[..] else {
         bail!("bad wrk result line {line:?}");
     };
+    let (p50_ms, p99_ms) = (p50 as f64 / 1e3, p99 as f64 / 1e3);
     let secs = dur_us as f64 / 1e6;
-    Ok(Run {
+    Ok(Run::new(
         requests,
         secs,
-        rps: requests as f64 / secs,
-        p50_ms: p50 as f64 / 1e3,
-        p99_ms: p99 as f64 / 1e3,
-        errors: sock + status,
-        cpu_us_per_req: ticks as f64 / clock_ticks_per_sec() * 1e6 / requests.max(1) as f64,
-    })
+        (p50_ms, p99_ms),
+        sock + status,
+        ticks,
+    ))
 }
 
 /// Runs h2load (HTTP/2, prior knowledge) against `url`; CPU from `pid` over the run. h2load
@@ -269,15 +284,13 @@ fn h2load(
             String::from_utf8_lossy(&out.stderr)
         )
     })?;
-    Ok(Run {
+    Ok(Run::new(
         requests,
         secs,
-        rps: requests as f64 / secs,
-        p50_ms: f64::NAN,
-        p99_ms: f64::NAN,
+        (f64::NAN, f64::NAN),
         errors,
-        cpu_us_per_req: ticks as f64 / clock_ticks_per_sec() * 1e6 / requests.max(1) as f64,
-    })
+        ticks,
+    ))
 }
 
 /// From h2load's report: the run's seconds, its 2xx answers, and the requests that failed or
