@@ -577,6 +577,18 @@ impl Config {
             if m.cluster.is_empty() {
                 return Err(err("metrics.cluster", "must not be empty"));
             }
+            if !m.path.starts_with('/') {
+                return Err(err("metrics.path", "must start with '/'"));
+            }
+            // A sample must stay fresh until the next poll has had its time to answer, or the
+            // scraped load (and what reads it) switches off for part of every interval.
+            let fresh_for = (m.interval_ms + m.timeout_ms) as f64;
+            check_range(
+                "metrics.staleAfterMs",
+                m.stale_after_ms as f64,
+                fresh_for,
+                fresh_for.max(3.6e6),
+            )?;
         }
         if let Some(d) = &self.discovery {
             check_range("discovery.intervalMs", d.interval_ms as f64, 10.0, 3.6e6)?;
@@ -599,6 +611,20 @@ impl Config {
             .is_some_and(|p| !p.starts_with('/'))
         {
             return Err(err("debugPath", "must start with '/'"));
+        }
+        if self
+            .debug_path
+            .as_deref()
+            .is_some_and(|p| self.is_routed_path(p))
+        {
+            // It is answered before routing: every inference request would get the tables.
+            return Err(err("debugPath", "must differ from the routed paths"));
+        }
+        if self.scorer == Scorer::Latency && self.ttft_source != TtftSource::LatencyPredictor {
+            return Err(err(
+                "scorer",
+                "`latency` scores by the learned TTFT predictor: set ttftSource to latencyPredictor",
+            ));
         }
         if let Some(p) = &self.peers {
             self.validate_peers(p)?;
@@ -796,6 +822,20 @@ mod tests {
     fn errors_name_the_field() {
         let cases = [
             (r#","affinityThreshold":1.5"#, "affinityThreshold"),
+            (r#","debugPath":"/v1/chat/completions""#, "debugPath"),
+            (r#","scorer":"latency""#, "scorer"),
+            (
+                r#","metrics":{"cluster":"m","path":"metrics"}"#,
+                "metrics.path",
+            ),
+            (
+                r#","metrics":{"cluster":"m","intervalMs":10000}"#,
+                "metrics.staleAfterMs",
+            ),
+            (
+                r#","metrics":{"cluster":"m","staleAfterMs":0}"#,
+                "metrics.staleAfterMs",
+            ),
             (r#","preset":"nope""#, "preset"),
             (r#","bogus":1"#, "bogus"),
             (r#","policy":"fastest""#, "policy"),

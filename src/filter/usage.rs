@@ -24,14 +24,18 @@ pub fn keep_tail(tail: &mut Vec<u8>, chunk: &[u8]) {
     tail.extend_from_slice(chunk);
 }
 
-/// `prompt_tokens` and `prompt_tokens_details.cached_tokens` of the last `usage` object.
+/// `prompt_tokens` and `prompt_tokens_details.cached_tokens` of the last `usage` object
+/// (chat and completions), or `input_tokens` and `input_tokens_details.cached_tokens` (the
+/// Responses API).
 pub fn scan(tail: &[u8]) -> Option<Usage> {
     let at = rfind(tail, b"\"usage\"")?;
     let rest = tail.get(at..)?;
     // The usage object ends at its matching brace; numbers are looked up inside it only.
     let obj = object(rest)?;
+    let prompt_tokens = number_after(obj, b"\"prompt_tokens\"")
+        .or_else(|| number_after(obj, b"\"input_tokens\""))?;
     Some(Usage {
-        prompt_tokens: number_after(obj, b"\"prompt_tokens\"")?,
+        prompt_tokens,
         cached_tokens: number_after(obj, b"\"cached_tokens\""),
     })
 }
@@ -105,6 +109,26 @@ mod tests {
         );
         assert_eq!(scan(b"data: {\"usage\":null}\n\ndata: [DONE]"), None);
         assert_eq!(scan(b"no usage here"), None);
+    }
+
+    #[test]
+    fn responses_api_usage_counts_input_tokens() {
+        let body = br#"{"object":"response","output":[],"usage":{"input_tokens":328,"input_tokens_details":{"cached_tokens":256},"output_tokens":52,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":380},"user":null}"#;
+        assert_eq!(
+            scan(body),
+            Some(Usage {
+                prompt_tokens: 328,
+                cached_tokens: Some(256)
+            })
+        );
+        let event = b"event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":9,\"output_tokens\":3}}}\n\n";
+        assert_eq!(
+            scan(event),
+            Some(Usage {
+                prompt_tokens: 9,
+                cached_tokens: None
+            })
+        );
     }
 
     #[test]
