@@ -77,7 +77,18 @@ const KEPT_STEP: f64 = 0.25;
 const HOLD_MEMORY: f64 = 0.999;
 const MODEL_KEYS: u64 = 64;
 
-const FIELDS: usize = 18;
+/// The rate restarts from the shadow rate (every sample, none left out) once the two have
+/// differed by more than this factor for [`RESTART_AFTER`] samples in a row: a rate that one
+/// bad reading (a stall among the first samples, a string of absurd `usage` reports) put far
+/// off, or an endpoint whose speed really changed, would otherwise judge every later sample
+/// an outlier and never move again, since outliers do not move it.
+const RESTART_FACTOR: f64 = 4.0;
+const RESTART_AFTER: f64 = 32.0;
+/// A first byte this far before the busy time counted so far cannot be first bytes of two
+/// workers out of order: the wall clock stepped back, and the watermark starts over.
+const CLOCK_STEP_MS: f64 = 10_000.0;
+
+const FIELDS: usize = 22;
 const RECORD: usize = FIELDS * 8;
 
 /// What the estimator believes about one endpoint.
@@ -140,6 +151,13 @@ struct Record {
     /// Depth (share of the configured capacity) of the deepest held prediction, fading
     /// by [`HOLD_MEMORY`] per check.
     deepest_hold: f64,
+    /// The shadow rate's sums and watermark: the same union of busy time over every
+    /// sample, outliers included (they do not move the rate, but they are what the
+    /// endpoint did).
+    shadow: [f64; 3],
+    /// Samples in a row at which the rate and the shadow rate differed by more than
+    /// [`RESTART_FACTOR`].
+    apart: f64,
 }
 
 impl Record {
@@ -158,6 +176,8 @@ impl Record {
             checks_and_misses: (0, 0),
             lead: [0.0; 5],
             deepest_hold: 0.0,
+            shadow: [rate * PRIOR_BUSY_S, PRIOR_BUSY_S, 0.0],
+            apart: 0.0,
         }
     }
 
@@ -186,6 +206,8 @@ impl Record {
             checks_and_misses: (hi >> 16, misses),
             lead: [f(11), f(12), f(13), f(14), f(15)],
             deepest_hold: f(17),
+            shadow: [f(18), f(19), f(20)],
+            apart: f(21),
         };
         let numbers = [
             r.tokens,
@@ -198,8 +220,13 @@ impl Record {
             r.p[2],
             r.scale,
             r.deepest_hold,
+            r.shadow[0],
+            r.shadow[1],
+            r.shadow[2],
+            r.apart,
         ];
-        if numbers.iter().chain(&r.lead).all(|x| x.is_finite()) && r.busy_s > 0.0 {
+        let sums = numbers.iter().chain(&r.lead).chain(&r.shadow);
+        if sums.chain([&r.apart]).all(|x| x.is_finite()) && r.busy_s > 0.0 && r.shadow[1] > 0.0 {
             r
         } else {
             Record::prior(rate)
@@ -230,6 +257,10 @@ impl Record {
             self.lead[4],
             f64::from_bits(packed),
             self.deepest_hold,
+            self.shadow[0],
+            self.shadow[1],
+            self.shadow[2],
+            self.apart,
         ];
         all.iter().flat_map(|x| x.to_le_bytes()).collect()
     }
@@ -251,6 +282,12 @@ impl Record {
     /// or `None` for an outlier.
     fn observe_busy(&mut self, sample: &TtftSample, miss: u64) -> Option<u64> {
         let (start, end) = (sample.dispatch_ms as f64, sample.first_byte_ms as f64);
+        if self.watermark_ms > end + CLOCK_STEP_MS {
+            self.watermark_ms = start;
+        }
+        if self.shadow[2] > end + CLOCK_STEP_MS {
+            self.shadow[2] = start;
+        }
         let from = start + self.lead_ms(end - start);
         let busy = (end - from.max(self.watermark_ms)).max(0.0) / 1000.0;
         let own_s = (end - from).max(0.0) / 1000.0;
@@ -265,6 +302,7 @@ impl Record {
         // prior, which may be far off.
         let yardstick = self.rate();
         let judged = self.total >= MIN_OBSERVATIONS;
+        self.observe_shadow(sample.uncached, from, end);
         let ordinary = |tokens: u64| {
             let slow = tokens as f64 / busy < yardstick / OUTLIER_FACTOR;
             let fast = tokens as f64 / own_s > yardstick * FAST_OUTLIER_FACTOR;
@@ -279,16 +317,47 @@ impl Record {
         // counting whole prompts there sent a busy endpoint's rate up 2.3x until `usage`
         // took them back.
         let alternatives = if sample.ahead == 0 { 2 } else { 1 };
-        let tokens = [sample.uncached, miss.max(sample.uncached)]
+        let Some(tokens) = [sample.uncached, miss.max(sample.uncached)]
             .into_iter()
             .take(alternatives)
-            .find(|&t| ordinary(t))?;
+            .find(|&t| ordinary(t))
+        else {
+            self.restart_if_apart();
+            return None;
+        };
+        self.apart = 0.0;
         self.tokens = self.tokens * RATE_DECAY + tokens as f64;
         self.busy_s = (self.busy_s * RATE_DECAY + busy).max(1e-6);
         // An outlier never gets here: a late one must not claim the time after it as busy
         // (the samples behind it would then look infinitely fast).
         self.watermark_ms = self.watermark_ms.max(end);
         Some(tokens)
+    }
+
+    /// Every sample into the shadow rate, by the same union of busy time.
+    fn observe_shadow(&mut self, tokens: u64, from: f64, end: f64) {
+        let [t, b, mark] = self.shadow;
+        let busy = (end - from.max(mark)).max(0.0) / 1000.0;
+        self.shadow = [
+            t * RATE_DECAY + tokens as f64,
+            (b * RATE_DECAY + busy).max(1e-6),
+            mark.max(end),
+        ];
+    }
+
+    /// After an outlier: when the rate has stayed more than [`RESTART_FACTOR`] away from the
+    /// shadow rate for [`RESTART_AFTER`] samples, the rate is the one that is off: it starts
+    /// over from the shadow's sums.
+    fn restart_if_apart(&mut self) {
+        let ratio = self.rate() / (self.shadow[0] / self.shadow[1]);
+        let apart = !(1.0 / RESTART_FACTOR..=RESTART_FACTOR).contains(&ratio);
+        self.apart = if apart { self.apart + 1.0 } else { 0.0 };
+        if self.apart >= RESTART_AFTER {
+            self.tokens = self.shadow[0].max(1.0);
+            self.busy_s = self.shadow[1];
+            self.watermark_ms = self.watermark_ms.max(self.shadow[2]);
+            self.apart = 0.0;
+        }
     }
 
     /// The part of a dispatch → first-byte interval that is fixed overhead, not prefill
@@ -334,7 +403,9 @@ impl Record {
     /// byte by `delta`.
     fn correct_tokens(&mut self, delta: f64) {
         if delta.is_finite() {
-            self.tokens = (self.tokens + delta).max(1.0);
+            // One answer's `usage` can at most double the tokens behind the rate: a server
+            // (or a proxy in between) reporting an absurd prompt must not set it alone.
+            self.tokens = (self.tokens + delta.min(self.tokens)).max(1.0);
         }
     }
 
@@ -406,7 +477,9 @@ impl Record {
         let x = [1.0, work / self.rate() * sample.active as f64 / ACTIVE_UNIT];
         let predicted = self.theta[0] + self.theta[1] * x[1];
         let e = target - predicted;
-        let band = self.band(y);
+        // Scaled by the predicted TTFT, not the observed one: an outlier must not widen
+        // its own band.
+        let band = self.band(work / self.rate() + predicted);
         let w = if self.observations >= 5.0 && e.abs() > band {
             band / e.abs()
         } else {
@@ -516,7 +589,8 @@ pub fn cache_check(
 ) -> CacheCheck {
     let block = block_tokens.max(1);
     if predicted_cached < 2 * block {
-        let kept = reported_cached >= 8 * block && 2 * reported_cached >= prompt_tokens;
+        let kept =
+            reported_cached >= 8 * block && reported_cached.saturating_mul(2) >= prompt_tokens;
         return match kept {
             true => CacheCheck::Kept,
             false => CacheCheck::NotPredicted,
@@ -1354,5 +1428,58 @@ mod tests {
         assert_eq!(back.theta, r.theta);
         assert!((back.capacity_share - 0.5).abs() < 1e-4);
         assert_eq!(back.checks_and_misses, (7, 3));
+        assert_eq!(back.shadow, r.shadow);
+    }
+
+    /// One request a second from `from_ms`, alone: 2,000 tokens in 200 ms (10,000 tok/s),
+    /// first byte `first_byte_ms` after dispatch for the first of them.
+    fn steady_from(e: &Estimator, s: &MemStore, from_ms: u64, n: u64, first_byte_ms: u64) {
+        for k in 0..n {
+            let t = from_ms + k * 1_000;
+            let wait = if k == 0 { first_byte_ms } else { 200 };
+            let sample = TtftSample {
+                dispatch_ms: t,
+                first_byte_ms: t + wait,
+                ahead: 0,
+                uncached: 2_000,
+                active: 0,
+                kv_usage: 0.0,
+            };
+            let counted = e.observe_first_byte(s, 1, &sample, 2_000).unwrap();
+            e.observe_ttft(s, 1, &sample, counted).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_clock_stepped_back_leaves_the_rate_alone() {
+        let s = MemStore::new();
+        let e = Estimator::new("t", 10_000.0, 4.0);
+        steady_from(&e, &s, 10_000_000, 100, 200);
+        // The wall clock steps back ten minutes: first bytes end before the busy time counted.
+        steady_from(&e, &s, 10_000_000 + 100_000 - 600_000, 300, 200);
+        let est = e.read(&s, 1).unwrap();
+        assert!(error(&est, 10_000.0) < 0.15, "{}", est.rate);
+    }
+
+    #[test]
+    fn a_stall_among_the_first_samples_is_outgrown() {
+        let s = MemStore::new();
+        let e = Estimator::new("t", 10_000.0, 4.0);
+        // The first request after a server start waits a minute (warm-up); all else is
+        // ordinary. The first samples are all taken, so the rate starts 1/16 of the truth.
+        steady_from(&e, &s, 0, 500, 60_000);
+        let est = e.read(&s, 1).unwrap();
+        assert!(error(&est, 10_000.0) < 0.15, "{}", est.rate);
+    }
+
+    #[test]
+    fn an_hour_long_first_byte_barely_moves_the_overhead() {
+        let s = MemStore::new();
+        let e = Estimator::new("t", 10_000.0, 4.0);
+        steady_from(&e, &s, 0, 200, 200);
+        steady_from(&e, &s, 200_000, 1, 3_600_000);
+        let est = e.read(&s, 1).unwrap();
+        assert!(est.overhead_s < 0.1, "{est:?}");
+        assert!(error(&est, 10_000.0) < 0.15, "{}", est.rate);
     }
 }

@@ -29,6 +29,8 @@ pub struct BlockChain {
     pub last_partial: bool,
     /// The prompt had more blocks than `max_blocks`; the rest is not hashed.
     pub truncated: bool,
+    /// Prompt bytes fed, hashed or not.
+    pub bytes: u64,
 }
 
 impl BlockChain {
@@ -86,6 +88,7 @@ impl BlockHasher {
     }
 
     pub fn feed(&mut self, mut bytes: &[u8]) {
+        self.chain.bytes = self.chain.bytes.saturating_add(bytes.len() as u64);
         if self.chain.truncated {
             return;
         }

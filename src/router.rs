@@ -494,7 +494,7 @@ impl Router {
         let ask = Ask {
             tokens,
             chain: &chain.hashes,
-            block_tokens: u64::from(self.cfg.block_size_tokens),
+            block_tokens: self.block_tokens(chain, tokens),
         };
         self.seq = self.seq.wrapping_add(1);
         let decision = self
@@ -557,6 +557,18 @@ impl Router {
             rate_counted: None,
             cache_check: None,
         })
+    }
+
+    /// Tokens a block of this prompt holds. Blocks are a fixed number of bytes
+    /// (`blockSizeTokens` × the configured bytes per token); the prompt's tokens may come
+    /// from a learned bytes per token or be counted token ids (4 bytes each), and a block
+    /// then holds as many tokens as the prompt has per byte: counted in configured tokens,
+    /// a warm prompt's matched blocks would leave part of it looking uncached.
+    fn block_tokens(&self, chain: &BlockChain, tokens: u64) -> u64 {
+        match chain.bytes {
+            0 => u64::from(self.cfg.block_size_tokens),
+            b => ((self.cfg.block_bytes() as f64 * tokens as f64 / b as f64).round() as u64).max(1),
+        }
     }
 
     /// The candidates as the policy sees them, and each one's load in real tokens and the
@@ -789,6 +801,11 @@ impl Router {
         prompt_tokens: u64,
         cached_tokens: Option<u64>,
     ) -> Result<CacheCheck, StoreError> {
+        if !plausible_usage(r.tokens, prompt_bytes, prompt_tokens) {
+            // About something else (a broken server, a proxy between): it teaches nothing,
+            // and the TTFT sample counts with the tokens predicted (at `finish`).
+            return Ok(CacheCheck::NotPredicted);
+        }
         let predicted = r.tokens.saturating_sub(r.uncached);
         let block_tokens = u64::from(self.cfg.block_size_tokens);
         let prompt = prompt_tokens.max(r.tokens);
@@ -865,6 +882,20 @@ impl Router {
         let released = self.ledger.release_checked(s, &mut r.charge, missed);
         released.and(rolled_back)
     }
+}
+
+/// Tokens a chat template may add to a prompt (roles, special tokens, tool schemas).
+const TEMPLATE_TOKENS: u64 = 4_096;
+
+/// Whether `usage.prompt_tokens` could be this prompt's: no tokenizer makes more than two
+/// tokens of a byte (the learned bytes per token stop at 0.5), and token ids are counted
+/// exactly; a chat template adds some on top.
+fn plausible_usage(estimated: u64, prompt_bytes: u64, prompt_tokens: u64) -> bool {
+    let most = match prompt_bytes {
+        0 => estimated,
+        b => b.saturating_mul(2),
+    };
+    prompt_tokens <= most.saturating_add(TEMPLATE_TOKENS)
 }
 
 #[cfg(test)]
@@ -986,6 +1017,27 @@ mod tests {
         r.set_replicas_seen(false);
         let (fleet, _) = r.candidates(&s, &healthy, &chain, 1_000, now).unwrap();
         assert!(fleet.iter().all(|c| c.work_per_s < 1_000));
+    }
+
+    #[test]
+    fn a_warm_prompt_counts_its_blocks_at_the_learned_bytes_per_token() {
+        let (mut r, t, s) = router(r#","peakPrefillThroughput":"auto""#);
+        // This model's prompts run 2 bytes a token, against the configured 4.
+        for _ in 0..10 {
+            r.estimator
+                .observe_bytes_per_token(&s, "m", 2_000, 1_000)
+                .unwrap();
+        }
+        let req = chat(&"x".repeat(40_000), "q");
+        let chain = r.hash(&req);
+        let tokens = r.estimate_tokens(&s, &req);
+        let mut first = r.route(&s, &t.endpoints, &chain, tokens, 1_000).unwrap();
+        r.first_byte(&s, &mut first, 1_100).unwrap();
+        r.finish(&s, &mut first, Outcome::Done).unwrap();
+        let second = r.route(&s, &t.endpoints, &chain, tokens, 2_000).unwrap();
+        assert!(second.decision.hit > 0.99);
+        // Only the partial last block is uncached: under a block's 128 tokens.
+        assert!(second.uncached < 128, "{} of {tokens}", second.uncached);
     }
 
     fn chat(system: &str, question: &str) -> InferenceRequest {
@@ -1317,6 +1369,30 @@ mod tests {
         r.finish(&s, &mut routed, Outcome::Done).unwrap();
         assert_eq!(r.estimator.read(&s, slot).unwrap().total, 1, "one sample");
         assert_eq!(r.ledger.load(&s, slot, 3_000).unwrap(), Default::default());
+    }
+
+    #[test]
+    fn a_usage_no_tokenizer_could_give_teaches_nothing() {
+        let (mut r, t, s) = router(r#","peakPrefillThroughput":"auto""#);
+        let chain = r.hash(&chat(&"x".repeat(40_000), "q"));
+        let mut routed = r.route(&s, &t.endpoints, &chain, 10_000, 0).unwrap();
+        let slot = routed.charge.slot;
+        r.first_byte(&s, &mut routed, 2_000).unwrap();
+        let before = r.estimator.bytes_per_token(&s, "m").unwrap();
+        // 10^12 prompt tokens for 40 KB, none cached.
+        let check = r
+            .observe_usage(&s, &mut routed, ("m", 40_000), 1_000_000_000_000, Some(0))
+            .unwrap();
+        assert_eq!(check, CacheCheck::NotPredicted);
+        r.finish(&s, &mut routed, Outcome::Done).unwrap();
+        // The sample counted with the tokens the index predicted (10,000 in 2 s), once.
+        let est = r.estimator.read(&s, slot).unwrap();
+        assert_eq!(est.total, 1);
+        assert_eq!(r.estimator.bytes_per_token(&s, "m").unwrap(), before);
+        assert!(plausible_usage(10_000, 40_000, 84_096));
+        assert!(!plausible_usage(10_000, 40_000, 84_097));
+        assert!(plausible_usage(10_000, 0, 14_096));
+        assert!(!plausible_usage(10_000, 0, 14_097));
     }
 
     /// A store whose learned-estimate keys cannot be written.

@@ -199,7 +199,11 @@ impl Tokenaware {
         let key = |i: usize| {
             let c = &fleet[i];
             let work = (c.work_per_s as f64 * WORK_HORIZON_S as f64 / c.speed()) as u64;
-            c.load.tokens.saturating_add(ask.uncached(c)) + work + Self::eviction(ask, c)
+            c.load
+                .tokens
+                .saturating_add(ask.uncached(c))
+                .saturating_add(work)
+                .saturating_add(Self::eviction(ask, c))
         };
         let min = pool.iter().map(|&i| key(i)).min().unwrap_or(0);
         let mut slack = (ask.tokens as f64 * COLD_BAND) as u64;
@@ -213,13 +217,18 @@ impl Tokenaware {
         let recalled = pool
             .iter()
             .copied()
-            .filter(|&i| fleet[i].recalled && key(i) <= min + slack + ask.tokens / 2)
+            .filter(|&i| {
+                fleet[i].recalled
+                    && key(i) <= min.saturating_add(slack).saturating_add(ask.tokens / 2)
+            })
             .min_by_key(|&i| key(i));
         if recalled.is_some() {
             return recalled;
         }
         if self.p.cold_choices > 0 && self.p.shared_prefixes {
-            let limit = min.saturating_mul(SHARED_COST_FACTOR) + ask.tokens;
+            let limit = min
+                .saturating_mul(SHARED_COST_FACTOR)
+                .saturating_add(ask.tokens);
             if let Some(i) = Self::first_not_ahead(fleet, &pool, head, |i| key(i) <= limit) {
                 return Some(i);
             }
@@ -227,7 +236,7 @@ impl Tokenaware {
         let near: Vec<usize> = pool
             .iter()
             .copied()
-            .filter(|&i| key(i) <= min + slack)
+            .filter(|&i| key(i) <= min.saturating_add(slack))
             .collect();
         Self::rendezvous_pick(fleet, &near, head)
     }
