@@ -41,7 +41,10 @@ impl Endpoint {
 
     /// The scrape, if it is younger than `stale_ms`.
     pub fn scraped(&self, now_ms: u64, stale_ms: u64) -> Option<Scraped> {
-        if self.scraped_at_ms == 0 || now_ms.saturating_sub(self.scraped_at_ms) > stale_ms {
+        // A scrape from the future: the wall clock stepped back since; its age is unknown.
+        let ahead = self.scraped_at_ms > now_ms.saturating_add(stale_ms);
+        if self.scraped_at_ms == 0 || ahead || now_ms.saturating_sub(self.scraped_at_ms) > stale_ms
+        {
             return None;
         }
         Some(Scraped {

@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 
 use super::host::{Host, HostError, Level};
 use super::http::{DESTINATION, PEER_TOKEN};
-use super::root::{cluster_hosts, clusters_path, Call};
+use super::root::{cluster_hosts, clusters_path, due, Call};
 use super::stats::Counter;
 use super::vm::Vm;
 use crate::config::{PeersConfig, MAX_PEERS};
@@ -20,14 +20,17 @@ pub struct PeerTarget {
     pub name: String,
 }
 
+/// How long a host that answered with this process's own ring goes unasked.
+const SELF_RECHECK_MS: u64 = 60_000;
+
 pub struct PeerPoller {
     cursors: PeerCursors,
     next_poll_ms: u64,
     next_members_ms: u64,
     /// With `peers.cluster`: its hosts as last read, sorted, at most `MAX_PEERS`.
     members: Vec<String>,
-    /// Hosts that answered with this process's own ring.
-    selves: HashSet<String>,
+    /// Hosts that answered with this process's own ring, and until when they are not asked.
+    selves: HashMap<String, u64>,
     /// Polls refused for a token that differs (for the log's rate limit).
     refusals: u64,
     /// Replicas whose last answer stopped at an entry numbered but not written.
@@ -45,7 +48,7 @@ impl PeerPoller {
             next_poll_ms: 0,
             next_members_ms: 0,
             members: Vec::new(),
-            selves: HashSet::new(),
+            selves: HashMap::new(),
             refusals: 0,
             gaps: HashSet::new(),
             failing: HashMap::new(),
@@ -53,15 +56,15 @@ impl PeerPoller {
         }
     }
 
-    /// The replicas asked now (this process left out).
-    pub fn targets(&self, p: &PeersConfig) -> Vec<PeerTarget> {
+    /// The replicas asked at `now` (this process left out).
+    pub fn targets(&self, p: &PeersConfig, now: u64) -> Vec<PeerTarget> {
         let names = match p.cluster {
             None => &p.clusters,
             Some(_) => &self.members,
         };
         names
             .iter()
-            .filter(|n| !self.selves.contains(*n))
+            .filter(|n| self.selves.get(*n).is_none_or(|&until| until <= now))
             .map(|n| PeerTarget { name: n.clone() })
             .collect()
     }
@@ -78,12 +81,11 @@ impl PeerPoller {
         let Some(p) = vm.cfg.peers.as_ref() else {
             return;
         };
-        if now < self.next_poll_ms {
+        if !due(&mut self.next_poll_ms, now, p.interval_ms) {
             return;
         }
-        self.next_poll_ms = now + p.interval_ms;
         self.read_members(h, p, now, calls);
-        for t in self.targets(p) {
+        for t in self.targets(p, now) {
             if calls
                 .values()
                 .any(|(c, _)| matches!(c, Call::Peer(x) if x.name == t.name))
@@ -115,10 +117,9 @@ impl PeerPoller {
             return;
         };
         let busy = calls.values().any(|(c, _)| *c == Call::PeerMembers);
-        if now < self.next_members_ms || busy {
+        if busy || !due(&mut self.next_members_ms, now, p.members_interval_ms()) {
             return;
         }
-        self.next_members_ms = now + p.members_interval_ms();
         let path = clusters_path(cluster);
         let hdrs = [
             (":method", "GET"),
@@ -179,7 +180,7 @@ impl PeerPoller {
         members.sort();
         members.dedup();
         members.truncate(MAX_PEERS);
-        self.selves.retain(|s| members.contains(s));
+        self.selves.retain(|s, _| members.contains(s));
         self.gaps.retain(|s| members.contains(s));
         self.failing.retain(|s, _| members.contains(s));
         self.members = members;
@@ -208,12 +209,15 @@ impl PeerPoller {
             return;
         };
         let own = r.placements.as_ref().and_then(|l| l.end(h).ok());
+        let now = h.now_ms().unwrap_or(0);
         if batch.ring != 0 && own.is_some_and(|c| c.ring == batch.ring) {
-            // This process, through the cluster of all replicas: nothing to learn.
-            self.selves.insert(t.name);
+            // This process, through the cluster of all replicas: nothing to learn. Asked
+            // again later all the same: a poll Envoy could not pin to its host (one it
+            // held unhealthy for a moment) was answered by another, this one among them.
+            self.selves
+                .insert(t.name, now.saturating_add(SELF_RECHECK_MS));
             return;
         }
-        let now = h.now_ms().unwrap_or(0);
         match r.learn_placements(h, &vm.table(h).endpoints, &batch, now) {
             Ok(n) => vm.stats.add(h, Counter::PeerPlacementsLearned, n as u64),
             Err(_) => return vm.stats.inc(h, Counter::PeerErrors),

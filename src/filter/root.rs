@@ -56,18 +56,21 @@ pub const MAX_PEER_BYTES: usize = 4 << 20;
 /// succeeds again).
 pub const UNHEALTHY_AFTER: u32 = 2;
 
-/// The poller lease, 16 bytes: owner id, expiry (ms), little-endian.
+/// The poller lease, 24 bytes: owner id, expiry (ms), the owner's configuration generation,
+/// little-endian.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lease {
     pub owner: u64,
     pub expires_ms: u64,
+    pub generation: u64,
 }
 
 impl Lease {
-    pub fn encode(&self) -> [u8; 16] {
-        let mut b = [0u8; 16];
+    pub fn encode(&self) -> [u8; 24] {
+        let mut b = [0u8; 24];
         b[..8].copy_from_slice(&self.owner.to_le_bytes());
-        b[8..].copy_from_slice(&self.expires_ms.to_le_bytes());
+        b[8..16].copy_from_slice(&self.expires_ms.to_le_bytes());
+        b[16..].copy_from_slice(&self.generation.to_le_bytes());
         b
     }
 
@@ -75,9 +78,20 @@ impl Lease {
         Some(Lease {
             owner: u64::from_le_bytes(b.get(..8)?.try_into().ok()?),
             expires_ms: u64::from_le_bytes(b.get(8..16)?.try_into().ok()?),
+            // A lease written before generations were kept: the oldest.
+            generation: match b.get(16..24) {
+                Some(g) => u64::from_le_bytes(g.try_into().ok()?),
+                None => 0,
+            },
         })
     }
 }
+
+/// Lease periods a newer configuration's roots may leave the lease unrenewed before an older
+/// one takes it back: they renew it every tick while they live, and a configuration whose
+/// roots went away before they took over (a listener update Envoy rejected after the plugin
+/// had started) must not stop the polling for good.
+const ORPHANED_AFTER_TTLS: u64 = 3;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Call {
@@ -275,10 +289,9 @@ impl Root {
             return;
         };
         let busy = self.calls.values().any(|(c, _)| *c == Call::Discovery);
-        if now < self.next_discovery_ms || busy {
+        if busy || !due(&mut self.next_discovery_ms, now, d.interval_ms) {
             return;
         }
-        self.next_discovery_ms = now + d.interval_ms;
         let path = clusters_path(&d.model_cluster);
         let hdrs = [
             (":method", "GET"),
@@ -306,10 +319,9 @@ impl Root {
         let Some(m) = self.vm.cfg.metrics.clone() else {
             return;
         };
-        if now < self.next_metrics_ms {
+        if !due(&mut self.next_metrics_ms, now, m.interval_ms) {
             return;
         }
-        self.next_metrics_ms = now + m.interval_ms;
         let table = self.vm.table(h);
         for e in &table.endpoints {
             if self.polling.contains(&e.address) {
@@ -368,7 +380,9 @@ impl Root {
                     };
                     return self.poll_failed(h, &address, &why);
                 }
-                match h.call_response_body(body.min(MAX_METRICS_BYTES)) {
+                // One byte past the limit: `parse_metrics` then sees the cut and drops the
+                // last line rather than read `12345` of `123456789`.
+                match h.call_response_body(body.min(MAX_METRICS_BYTES + 1)) {
                     Ok(text) => {
                         let m = parse_metrics(&text, MAX_METRICS_BYTES);
                         self.poll_ok(h, &address, &m);
@@ -400,19 +414,31 @@ impl Root {
     }
 
     fn hold_lease<H: Host>(&self, h: &H, now: u64) -> bool {
-        // A newer configuration exists: leave polling to its roots.
-        if let Ok((Some(v), _)) = h.get(&self.vm.keys.config) {
-            if read_u64(&v, 8) > self.generation {
-                return false;
-            }
-        }
+        let newer = match h.get(&self.vm.keys.config) {
+            Ok((Some(v), _)) => read_u64(&v, 8) > self.generation,
+            _ => false,
+        };
         let ttl = (3 * self.tick_period_ms()).max(1_000);
         let Ok((v, cas)) = h.get(&self.vm.keys.lease) else {
             return false;
         };
-        let free = match v.as_deref().and_then(Lease::decode) {
+        let held = v.as_deref().and_then(Lease::decode);
+        // A newer configuration exists: leave polling to its roots, unless they have left
+        // the lease unrenewed for several periods (gone). A root of a newer configuration
+        // takes the lease from an older one's at once.
+        let orphaned = |l: &Lease| {
+            l.expires_ms.saturating_add(ORPHANED_AFTER_TTLS * ttl) <= now
+                || l.expires_ms > now.saturating_add(2 * ttl)
+        };
+        let free = match held {
             None => true,
-            Some(l) => l.owner == self.vm.id || l.expires_ms <= now,
+            Some(l) if newer => l.owner == self.vm.id || orphaned(&l),
+            Some(l) => {
+                l.owner == self.vm.id
+                    || l.expires_ms <= now
+                    || l.generation < self.generation
+                    || l.expires_ms > now.saturating_add(2 * ttl)
+            }
         };
         if !free {
             return false;
@@ -420,6 +446,7 @@ impl Root {
         let mine = Lease {
             owner: self.vm.id,
             expires_ms: now + ttl,
+            generation: self.generation,
         };
         if h.set(&self.vm.keys.lease, &mine.encode(), cas).is_err() {
             return false;
@@ -543,6 +570,9 @@ impl Root {
         self.vm.stats.inc(h, Counter::PollsFailed);
         let n = self.failures.entry(address.to_string()).or_insert(0);
         *n = n.saturating_add(1);
+        if *n < UNHEALTHY_AFTER {
+            return;
+        }
         if *n == UNHEALTHY_AFTER {
             h.log(
                 Level::Warn,
@@ -550,6 +580,10 @@ impl Root {
                     "tokenaware: {address} failed {UNHEALTHY_AFTER} polls ({why}); out of rotation"
                 ),
             );
+        }
+        // Checked on every failure past the limit: a table write that failed (CAS races, a
+        // host error) is made again at the next one.
+        if self.vm.table(h).get(address).is_some_and(|e| e.healthy) {
             let _ = self.update_table(h, |t| {
                 if let Some(e) = t.get_mut(address) {
                     e.healthy = false;
@@ -697,7 +731,11 @@ impl Root {
         let Ok(router) = vm.router.try_borrow() else {
             return;
         };
-        let asked = vm.cfg.peers.as_ref().map(|p| self.peers.targets(p).len());
+        let asked = vm
+            .cfg
+            .peers
+            .as_ref()
+            .map(|p| self.peers.targets(p, now).len());
         if let (Some(n), Some(id)) = (asked, self.gauge(h, PEERS.into())) {
             let _ = h.record_metric(id, n as u64);
         }
@@ -741,6 +779,17 @@ fn estimate_gauges(est: &Estimate) -> [(&'static str, u64); 4] {
             (est.capacity_share * 100.0).round() as u64,
         ),
     ]
+}
+
+/// Whether a poll due at `next` is due `now`; if so, the next one is `interval` later. A
+/// `next` more than an interval away means the wall clock stepped back: due now (else nothing
+/// would be polled for as long as the step).
+pub(super) fn due(next: &mut u64, now: u64, interval: u64) -> bool {
+    if now < *next && *next <= now.saturating_add(interval) {
+        return false;
+    }
+    *next = now.saturating_add(interval);
+    true
 }
 
 /// The generation of the configuration with this hash: the stored one when it is the newest,

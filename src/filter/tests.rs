@@ -2104,3 +2104,128 @@ fn replicas_that_cannot_be_read_from_admin_are_named_in_the_log() {
     );
     assert_eq!(h.metric("tokenaware_peers"), 0);
 }
+
+#[test]
+fn polling_goes_on_after_the_wall_clock_steps_back() {
+    let h = FakeHost::new().with_time(10_000_000);
+    let mut r = root(&h, METRICS, 1);
+    r.on_tick(&h);
+    let calls = h.take_dispatched();
+    assert_eq!(calls.len(), 3);
+    for c in &calls {
+        h.set_call_answer(Some(200), b"vllm:num_requests_waiting 9\n");
+        r.on_call_response(&h, c.token, 2, 28);
+    }
+    // An hour back (an NTP step): the next polls are not an hour away.
+    h.now.set(10_000_000 - 3_600_000);
+    let mut sent = 0;
+    for _ in 0..5 {
+        h.now.set(h.now.get() + 1_000);
+        r.on_tick(&h);
+        sent += h.take_dispatched().len();
+    }
+    assert!(sent >= 3, "{sent} polls");
+    // A scrape from what is now the future is not taken for a fresh one.
+    let t = r.vm().table(&h);
+    assert!(t.endpoints[0].scraped(h.now.get(), 5_000).is_none());
+}
+
+#[test]
+fn a_metrics_body_past_the_limit_loses_its_cut_line() {
+    let cap = super::root::MAX_METRICS_BYTES;
+    let head = "vllm:num_requests_waiting 1\n";
+    let line = "vllm:prefix_cache_queries_total{model_name=\"m\"} 123456789\n";
+    // A comment sized so the limit falls 5 bytes before the counter line's end.
+    let comment = format!("#{}\n", "x".repeat(cap + 5 - head.len() - line.len() - 2));
+    let text = format!("{head}{comment}{line}");
+    assert_eq!(text.len(), cap + 5);
+    let h = FakeHost::new();
+    let mut r = root(&h, METRICS, 1);
+    poll_round(&h, &mut r, |_| Some(line.to_string()));
+    // Read cut, the counter would be 12345: a drop, taken for a restart of every endpoint.
+    poll_round(&h, &mut r, |_| Some(text.clone()));
+    assert_eq!(h.metric("tokenaware_endpoint_resets"), 0);
+}
+
+#[test]
+fn a_newer_configuration_that_went_away_leaves_the_polling_to_the_older() {
+    let h = FakeHost::new();
+    let mut old = root(&h, METRICS, 1);
+    poll_round(&h, &mut old, |_| {
+        Some("vllm:num_requests_waiting 0\n".into())
+    });
+    {
+        // Configured (its generation claimed), then gone before its first tick: a listener
+        // update Envoy rejected after the plugin had started.
+        let _gone = root(&h, &format!("{METRICS},\"tau\":1234"), 2);
+    }
+    let mut sent = 0;
+    for _ in 0..10 {
+        h.now.set(h.now.get() + 1_000);
+        old.on_tick(&h);
+        for c in h.take_dispatched() {
+            h.set_call_answer(Some(200), b"vllm:num_requests_waiting 0\n");
+            old.on_call_response(&h, c.token, 2, 27);
+            sent += 1;
+        }
+    }
+    assert!(sent >= 3, "{sent} polls");
+    // A newer configuration whose roots do tick takes the polling over at once.
+    let mut new = root(&h, &format!("{METRICS},\"tau\":4321"), 3);
+    h.now.set(h.now.get() + 1_000);
+    new.on_tick(&h);
+    assert!(!h.take_dispatched().is_empty());
+    for _ in 0..10 {
+        h.now.set(h.now.get() + 1_000);
+        old.on_tick(&h);
+        assert!(h.take_dispatched().is_empty(), "the older one polled again");
+        new.on_tick(&h);
+        h.take_dispatched();
+    }
+}
+
+#[test]
+fn a_replica_taken_for_this_process_is_asked_again_later() {
+    let peers = one_cluster_peers(r#""intervalMs":100"#);
+    let ha = FakeHost::new();
+    let mut ra = root(&ha, &peers, 2);
+    let a = ra.vm();
+    ra.on_tick(&ha);
+    let calls = ha.take_dispatched();
+    let hosts: Vec<serde_json::Value> = [1, 2]
+        .iter()
+        .map(|i| serde_json::json!({"address":{"socket_address":{"address":format!("10.1.0.{i}"),"port_value":10000}}}))
+        .collect();
+    let body = serde_json::json!({"cluster_statuses":[{"name":"gateways","host_statuses":hosts}]})
+        .to_string();
+    ha.set_call_answer(Some(200), body.as_bytes());
+    ra.on_call_response(&ha, calls[0].token, 4, body.len());
+    ha.now.set(ha.now.get() + 200);
+    ra.on_tick(&ha);
+    let calls = ha.take_dispatched();
+    assert_eq!(calls.len(), 2);
+    let (_, own) = ask_peer(&ha, &a, 0);
+    for c in &calls {
+        // Both answered by this process: 10.1.0.1 truly, 10.1.0.2 through Envoy's fallback
+        // (it held 10.1.0.2 unhealthy for a moment and could not pin the poll there).
+        ha.set_call_answer(Some(200), &own);
+        ra.on_call_response(&ha, c.token, 3, own.len());
+    }
+    let mut asked = 0;
+    for _ in 0..400 {
+        ha.now.set(ha.now.get() + 200);
+        ra.on_tick(&ha);
+        for c in ha.take_dispatched() {
+            if c.cluster == "admin" {
+                ha.set_call_answer(Some(200), body.as_bytes());
+                ra.on_call_response(&ha, c.token, 4, body.len());
+            } else {
+                asked += 1;
+                ha.set_call_answer(Some(200), &own);
+                ra.on_call_response(&ha, c.token, 3, own.len());
+            }
+        }
+    }
+    // 80 s: each host asked again once a minute, never every poll.
+    assert!((2..=4).contains(&asked), "{asked} polls");
+}
