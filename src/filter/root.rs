@@ -92,6 +92,8 @@ impl Lease {
 /// roots went away before they took over (a listener update Envoy rejected after the plugin
 /// had started) must not stop the polling for good.
 const ORPHANED_AFTER_TTLS: u64 = 3;
+/// The longest lease period of any configuration (three ticks of at most a second).
+const LEASE_TTL_MAX_MS: u64 = 3_000;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Call {
@@ -103,11 +105,29 @@ pub enum Call {
     PeerMembers,
 }
 
+/// One endpoint's successful metrics poll, held for the round's one table write.
+struct Reading {
+    address: String,
+    m: ServerMetrics,
+    at_ms: u64,
+    served_work: Option<u64>,
+    healthy: bool,
+    capacity: Option<u64>,
+    /// The server's running and waiting requests, and this gateway's ledger's there.
+    server: Option<f64>,
+    ours: Option<u64>,
+}
+
 pub struct Root {
     vm: Rc<Vm>,
     calls: HashMap<u32, (Call, u64)>,
     /// Endpoints with a poll in flight.
     polling: HashSet<String>,
+    /// Polls answered since the last table write: the table is written once a round (when
+    /// the last poll of it is answered, or at the next tick), not once an answer. Each write
+    /// parses and re-serializes the whole table, and each makes every worker decode it
+    /// again: per answer that was quadratic in the endpoints.
+    readings: Vec<Reading>,
     next_discovery_ms: u64,
     next_metrics_ms: u64,
     /// Consecutive failed polls per endpoint (of the table; pruned at discovery).
@@ -163,6 +183,7 @@ impl Root {
             vm,
             calls: HashMap::new(),
             polling: HashSet::new(),
+            readings: Vec::new(),
             next_discovery_ms: 0,
             next_metrics_ms: 0,
             failures: HashMap::new(),
@@ -257,10 +278,14 @@ impl Root {
             }
         }
         if !self.hold_lease(h, now) {
+            // Another root polls now: what this one read is older than what it will write.
+            self.readings.clear();
             return;
         }
         self.expire_calls(now);
         self.discover(h, now);
+        // A round whose last poll is still out: what it read so far goes in now.
+        self.write_readings(h);
         self.poll_metrics(h, now);
         self.peers.poll(h, &self.vm, now, &mut self.calls);
         self.sync_learned_capacities(h);
@@ -385,9 +410,12 @@ impl Root {
                 match h.call_response_body(body.min(MAX_METRICS_BYTES + 1)) {
                     Ok(text) => {
                         let m = parse_metrics(&text, MAX_METRICS_BYTES);
-                        self.poll_ok(h, &address, &m);
+                        self.poll_ok(h, &address, m);
                     }
                     Err(e) => self.poll_failed(h, &address, e.as_str()),
+                }
+                if self.polling.is_empty() {
+                    self.write_readings(h);
                 }
             }
             Call::Peer(target) => {
@@ -418,18 +446,21 @@ impl Root {
             Ok((Some(v), _)) => read_u64(&v, 8) > self.generation,
             _ => false,
         };
-        let ttl = (3 * self.tick_period_ms()).max(1_000);
+        // 1-3 s: the tick period is at most a second.
+        let ttl = (3 * self.tick_period_ms()).clamp(1_000, LEASE_TTL_MAX_MS);
         let Ok((v, cas)) = h.get(&self.vm.keys.lease) else {
             return false;
         };
         let held = v.as_deref().and_then(Lease::decode);
+        // Expiring later than any configuration's lease period can reach: the wall clock
+        // stepped back since it was written.
+        let stepped_back = |l: &Lease| l.expires_ms > now.saturating_add(2 * LEASE_TTL_MAX_MS);
+        let orphaned = |l: &Lease| {
+            l.expires_ms.saturating_add(ORPHANED_AFTER_TTLS * ttl) <= now || stepped_back(l)
+        };
         // A newer configuration exists: leave polling to its roots, unless they have left
         // the lease unrenewed for several periods (gone). A root of a newer configuration
         // takes the lease from an older one's at once.
-        let orphaned = |l: &Lease| {
-            l.expires_ms.saturating_add(ORPHANED_AFTER_TTLS * ttl) <= now
-                || l.expires_ms > now.saturating_add(2 * ttl)
-        };
         let free = match held {
             None => true,
             Some(l) if newer => l.owner == self.vm.id || orphaned(&l),
@@ -437,7 +468,7 @@ impl Root {
                 l.owner == self.vm.id
                     || l.expires_ms <= now
                     || l.generation < self.generation
-                    || l.expires_ms > now.saturating_add(2 * ttl)
+                    || stepped_back(&l)
             }
         };
         if !free {
@@ -458,14 +489,11 @@ impl Root {
 
     /// Forgets calls whose answer never came (the host should always answer; be safe).
     fn expire_calls(&mut self, now: u64) {
-        let limit = self
-            .vm
-            .cfg
-            .metrics
-            .as_ref()
-            .map_or(5_000, |m| m.timeout_ms)
-            .max(5_000)
-            + 5_000;
+        // Past the longest timeout any call was sent with (a peer poll's may be a minute).
+        let cfg = &self.vm.cfg;
+        let metrics = cfg.metrics.as_ref().map_or(0, |m| m.timeout_ms);
+        let peers = cfg.peers.as_ref().map_or(0, |p| p.timeout_ms.max(1_000));
+        let limit = metrics.max(peers).max(5_000) + 5_000;
         let stale: Vec<u32> = self
             .calls
             .iter()
@@ -479,7 +507,7 @@ impl Root {
         }
     }
 
-    fn poll_ok<H: Host>(&mut self, h: &H, address: &str, m: &ServerMetrics) {
+    fn poll_ok<H: Host>(&mut self, h: &H, address: &str, m: ServerMetrics) {
         self.vm.stats.inc(h, Counter::PollsOk);
         let was_down = self
             .failures
@@ -495,51 +523,71 @@ impl Root {
             }
             None => (false, None),
         };
-        let restarted = was_down || counter_reset;
-        let healthy = !self.envoy_down.contains(address);
+        if was_down || counter_reset {
+            // At once, not with the round's write: the next request must not stick there.
+            if let Some(e) = self.vm.table(h).get(address) {
+                self.endpoint_reset(h, address, e.slot);
+            }
+        }
         let capacity = match (m.num_gpu_blocks, m.block_size) {
             (Some(n), Some(b)) if n >= 1.0 && b >= 1.0 => {
                 Some(self.vm.cfg.scraped_capacity_blocks((n * b) as u64))
             }
             _ => None,
         };
-        let ours = self.our_requests(h, address, now);
         let server = match (m.waiting, m.running) {
             (None, None) => None,
             (w, r) => Some(w.unwrap_or(0.0) + r.unwrap_or(0.0)),
         };
+        self.readings.push(Reading {
+            address: address.to_string(),
+            at_ms: now,
+            served_work,
+            healthy: !self.envoy_down.contains(address),
+            capacity,
+            server,
+            ours: self.our_requests(h, address, now),
+            m,
+        });
+    }
+
+    /// The round's readings into the table, in one write.
+    fn write_readings<H: Host>(&mut self, h: &H) {
+        let readings = std::mem::take(&mut self.readings);
+        if readings.is_empty() {
+            return;
+        }
         let mut newly_seen = false;
-        let r = self.update_table(h, |t| {
-            if let (Some(server), Some(ours)) = (server, ours) {
-                let was = t.foreign.seen;
-                t.foreign.observe(server, ours, t.endpoints.len());
-                newly_seen = t.foreign.seen && !was;
+        let resized = self.update_table(h, |t| {
+            let was = t.foreign.seen;
+            let mut resized = false;
+            for x in &readings {
+                if let (Some(server), Some(ours)) = (x.server, x.ours) {
+                    t.foreign.observe(server, ours, t.endpoints.len());
+                }
+                let Some(e) = t.get_mut(&x.address) else {
+                    continue;
+                };
+                e.waiting = x.m.waiting;
+                e.running = x.m.running;
+                e.kv_usage = x.m.kv_usage;
+                e.scraped_at_ms = x.at_ms;
+                e.served_work_per_s = x.served_work;
+                e.healthy = x.healthy;
+                if let Some(c) = x.capacity.filter(|c| *c != e.capacity_blocks) {
+                    e.capacity_blocks = c;
+                    resized = true;
+                }
             }
-            let e = t.get_mut(address)?;
-            e.waiting = m.waiting;
-            e.running = m.running;
-            e.kv_usage = m.kv_usage;
-            e.scraped_at_ms = now;
-            e.served_work_per_s = served_work;
-            e.healthy = healthy;
-            let changed = capacity.filter(|c| *c != e.capacity_blocks);
-            if let Some(c) = changed {
-                e.capacity_blocks = c;
-            }
-            Some((e.slot, changed))
+            newly_seen = t.foreign.seen && !was;
+            resized
         });
         if newly_seen {
             self.vm.stats.inc(h, Counter::OtherSendersSeen);
         }
-        let Ok(Some((slot, capacity))) = r else {
-            return;
-        };
-        // The new size goes through the learned share (and the fleet's), as at start.
-        if let (Some(_), Ok(router)) = (capacity, self.vm.router.try_borrow()) {
+        // A new size goes through the learned share (and the fleet's), as at start.
+        if let (Ok(true), Ok(router)) = (resized, self.vm.router.try_borrow()) {
             let _ = router.sync_capacities(h, &self.vm.table(h).endpoints);
-        }
-        if restarted {
-            self.endpoint_reset(h, address, slot);
         }
     }
 

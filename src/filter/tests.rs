@@ -2229,3 +2229,39 @@ fn a_replica_taken_for_this_process_is_asked_again_later() {
     // 80 s: each host asked again once a minute, never every poll.
     assert!((2..=4).contains(&asked), "{asked} polls");
 }
+
+#[test]
+fn a_round_of_polls_writes_the_table_once() {
+    let h = FakeHost::new();
+    let mut r = root(&h, METRICS, 1);
+    poll_round(&h, &mut r, |_| queries(10));
+    h.now.set(h.now.get() + 1_000);
+    r.on_tick(&h);
+    let calls = h.take_dispatched();
+    assert_eq!(calls.len(), 3);
+    let before = h.calls.borrow().clone();
+    for (i, c) in calls.iter().enumerate() {
+        let text = format!("vllm:num_requests_waiting {}\n", i + 1);
+        h.set_call_answer(Some(200), text.as_bytes());
+        r.on_call_response(&h, c.token, 2, text.len());
+        // Nothing is written until the round's last answer.
+        let sets = h.calls_since(&before).get("set").copied().unwrap_or(0);
+        assert_eq!(sets, if i < 2 { 0 } else { 2 }, "after answer {i}");
+    }
+    // The table and its version, and every answer in it.
+    let t = r.vm().table(&h);
+    let mut waiting: Vec<f64> = t.endpoints.iter().filter_map(|e| e.waiting).collect();
+    waiting.sort_by(f64::total_cmp);
+    assert_eq!(waiting, vec![1.0, 2.0, 3.0]);
+    // A round whose last poll never answers: what came goes in at the next tick.
+    h.now.set(h.now.get() + 1_000);
+    r.on_tick(&h);
+    let calls = h.take_dispatched();
+    let text = "vllm:num_requests_waiting 7\n";
+    h.set_call_answer(Some(200), text.as_bytes());
+    r.on_call_response(&h, calls[0].token, 2, text.len());
+    h.now.set(h.now.get() + 1_000);
+    r.on_tick(&h);
+    let t = r.vm().table(&h);
+    assert!(t.endpoints.iter().any(|e| e.waiting == Some(7.0)));
+}
