@@ -141,10 +141,28 @@ pub fn parse(
                 return Ok(request(fields, prompt, ids));
             }
         }
-        ApiKind::Responses => {}
+        ApiKind::Responses => return parse_tree(kind, body, limits),
+    }
+    if body.len() > TREE_FALLBACK_BYTES {
+        // Valid JSON the one-pass reader refused: an unusual shape, too large to build a
+        // tree of. Checked for JSON without one, so the stats still tell garbage apart.
+        return Err(
+            match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+                Ok(_) => ParseError::TooLarge,
+                Err(e) if e.to_string().starts_with("recursion limit exceeded") => {
+                    ParseError::TooDeep
+                }
+                Err(_) => ParseError::NotJson,
+            },
+        );
     }
     parse_tree(kind, body, limits)
 }
+
+/// The largest chat or completions body read as a JSON tree when the one-pass reader
+/// refused it: a tree takes several times the body (a `Value` per token id) in the VM's
+/// linear memory, which never shrinks, and any client can send an odd shape.
+const TREE_FALLBACK_BYTES: usize = 1 << 20;
 
 /// `parse` by walking a JSON tree: every kind, every shape, and the error when there is one.
 fn parse_tree(
@@ -958,6 +976,41 @@ mod tests {
             assert_eq!(
                 borrowed::completions(texts.as_bytes(), 64).unwrap().1,
                 b"a\x1eb"
+            );
+            // A duplicate prompt: its last value, as in the tree, still without one.
+            let twice = r#"{"model":"m","prompt":[1,2,3],"prompt":"b"}"#;
+            let (_, prompt, n) = borrowed::completions(twice.as_bytes(), 64).unwrap();
+            assert_eq!((prompt.as_slice(), n), (&b"b"[..], None));
+            let tree = parse_tree(
+                ApiKind::Completions,
+                twice.as_bytes(),
+                &ParseLimits::default(),
+            );
+            assert_eq!(tree.map(|r| r.prompt), Ok(b"b".to_vec()));
+        }
+
+        #[test]
+        fn a_large_body_of_an_odd_shape_is_not_read_as_a_tree() {
+            let limits = ParseLimits::default();
+            let odd = |content: &str| {
+                format!(
+                    r#"{{"model":"m","stream":"yes","messages":[{{"role":"user","content":"{content}"}}]}}"#
+                )
+            };
+            let small = odd("q");
+            assert_eq!(
+                parse(ApiKind::ChatCompletions, small.as_bytes(), &limits).err(),
+                Some(ParseError::WrongType("stream"))
+            );
+            let large = odd(&"x".repeat(2 << 20));
+            assert_eq!(
+                parse(ApiKind::ChatCompletions, large.as_bytes(), &limits).err(),
+                Some(ParseError::TooLarge)
+            );
+            let garbage = format!("{}!", &large[..large.len() - 2]);
+            assert_eq!(
+                parse(ApiKind::ChatCompletions, garbage.as_bytes(), &limits).err(),
+                Some(ParseError::NotJson)
             );
         }
 

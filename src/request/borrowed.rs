@@ -450,9 +450,12 @@ impl<'de> Visitor<'de> for CompletionsSeed<'_> {
                 continue;
             }
             match key {
-                // The tree keeps a duplicate's last value; the bytes here hold the first.
-                Key::Prompt if c.prompt.is_some() => return Err(de::Error::custom("twice")),
-                Key::Prompt => c.prompt = Some(map.next_value_seed(PromptSeed(&mut *self.out))?),
+                Key::Prompt => {
+                    // A duplicate's last value counts, as in the tree: its bytes replace the
+                    // first's.
+                    self.out.clear();
+                    c.prompt = Some(map.next_value_seed(PromptSeed(&mut *self.out))?);
+                }
                 _ => map.next_value_seed(Skip(self.max_depth as isize - 1))?,
             }
         }
