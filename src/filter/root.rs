@@ -92,6 +92,9 @@ impl Lease {
 /// roots went away before they took over (a listener update Envoy rejected after the plugin
 /// had started) must not stop the polling for good.
 const ORPHANED_AFTER_TTLS: u64 = 3;
+/// The longest a successful poll's reading waits for the rest of its round before the table
+/// is written.
+const READINGS_HELD_MS: u64 = 50;
 /// The longest lease period of any configuration (three ticks of at most a second).
 const LEASE_TTL_MAX_MS: u64 = 3_000;
 
@@ -124,10 +127,13 @@ pub struct Root {
     /// Endpoints with a poll in flight.
     polling: HashSet<String>,
     /// Polls answered since the last table write: the table is written once a round (when
-    /// the last poll of it is answered, or at the next tick), not once an answer. Each write
-    /// parses and re-serializes the whole table, and each makes every worker decode it
-    /// again: per answer that was quadratic in the endpoints.
+    /// the last poll of it is answered, when the first reading held is `READINGS_HELD_MS`
+    /// old, or at the next tick), not once an answer. Each write parses and re-serializes
+    /// the whole table, and each makes every worker decode it again: per answer that was
+    /// quadratic in the endpoints.
     readings: Vec<Reading>,
+    /// The latest round's polls not answered yet.
+    round: HashSet<String>,
     next_discovery_ms: u64,
     next_metrics_ms: u64,
     /// Consecutive failed polls per endpoint (of the table; pruned at discovery).
@@ -184,6 +190,7 @@ impl Root {
             calls: HashMap::new(),
             polling: HashSet::new(),
             readings: Vec::new(),
+            round: HashSet::new(),
             next_discovery_ms: 0,
             next_metrics_ms: 0,
             failures: HashMap::new(),
@@ -347,6 +354,7 @@ impl Root {
         if !due(&mut self.next_metrics_ms, now, m.interval_ms) {
             return;
         }
+        self.round.clear();
         let table = self.vm.table(h);
         for e in &table.endpoints {
             if self.polling.contains(&e.address) {
@@ -363,6 +371,7 @@ impl Root {
                     self.calls
                         .insert(token, (Call::Metrics(e.address.clone()), now));
                     self.polling.insert(e.address.clone());
+                    self.round.insert(e.address.clone());
                 }
                 Err(err) => {
                     let why = format!(
@@ -398,25 +407,8 @@ impl Root {
         match call {
             Call::Metrics(address) => {
                 self.polling.remove(&address);
-                if !ok {
-                    let why = match status {
-                        0 => "no answer".to_string(),
-                        s => format!("status {s}"),
-                    };
-                    return self.poll_failed(h, &address, &why);
-                }
-                // One byte past the limit: `parse_metrics` then sees the cut and drops the
-                // last line rather than read `12345` of `123456789`.
-                match h.call_response_body(body.min(MAX_METRICS_BYTES + 1)) {
-                    Ok(text) => {
-                        let m = parse_metrics(&text, MAX_METRICS_BYTES);
-                        self.poll_ok(h, &address, m);
-                    }
-                    Err(e) => self.poll_failed(h, &address, e.as_str()),
-                }
-                if self.polling.is_empty() {
-                    self.write_readings(h);
-                }
+                self.round.remove(&address);
+                self.metrics_answered(h, &address, ok, status, body);
             }
             Call::Peer(target) => {
                 let body = match ok {
@@ -504,6 +496,38 @@ impl Root {
             if let Some((Call::Metrics(a), _)) = self.calls.remove(&t) {
                 self.polling.remove(&a);
             }
+        }
+    }
+
+    /// A metrics poll's answer (`status` 0 when none came); the round's readings go into the
+    /// table once its last poll is answered, or once the first reading held has waited
+    /// `READINGS_HELD_MS` (a slow server holds the others' back that long at most).
+    fn metrics_answered<H: Host>(
+        &mut self,
+        h: &H,
+        address: &str,
+        ok: bool,
+        status: u32,
+        body: usize,
+    ) {
+        if !ok {
+            let why = match status {
+                0 => "no answer".to_string(),
+                s => format!("status {s}"),
+            };
+            self.poll_failed(h, address, &why);
+        } else {
+            // One byte past the limit: `parse_metrics` then sees the cut and drops the last
+            // line rather than read `12345` of `123456789`.
+            match h.call_response_body(body.min(MAX_METRICS_BYTES + 1)) {
+                Ok(text) => self.poll_ok(h, address, parse_metrics(&text, MAX_METRICS_BYTES)),
+                Err(e) => self.poll_failed(h, address, e.as_str()),
+            }
+        }
+        let now = h.now_ms().unwrap_or(0);
+        let held_ms = self.readings.first().map(|r| now.saturating_sub(r.at_ms));
+        if self.round.is_empty() || held_ms.is_some_and(|ms| ms >= READINGS_HELD_MS) {
+            self.write_readings(h);
         }
     }
 

@@ -2253,6 +2253,23 @@ fn a_round_of_polls_writes_the_table_once() {
     let mut waiting: Vec<f64> = t.endpoints.iter().filter_map(|e| e.waiting).collect();
     waiting.sort_by(f64::total_cmp);
     assert_eq!(waiting, vec![1.0, 2.0, 3.0]);
+    // A slow server holds the others' readings back 50 ms at most.
+    h.now.set(h.now.get() + 1_000);
+    r.on_tick(&h);
+    let calls = h.take_dispatched();
+    let before = h.calls.borrow().clone();
+    for (i, c) in calls.iter().take(2).enumerate() {
+        let text = format!("vllm:num_requests_waiting {}\n", 11 + i);
+        h.set_call_answer(Some(200), text.as_bytes());
+        r.on_call_response(&h, c.token, 2, text.len());
+        h.now.set(h.now.get() + 60);
+    }
+    assert_eq!(h.calls_since(&before).get("set").copied(), Some(2));
+    let t = r.vm().table(&h);
+    assert!(t.endpoints.iter().any(|e| e.waiting == Some(12.0)));
+    let last = calls.last().unwrap();
+    h.set_call_answer(Some(200), b"vllm:num_requests_waiting 0\n");
+    r.on_call_response(&h, last.token, 2, 27);
     // A round whose last poll never answers: what came goes in at the next tick.
     h.now.set(h.now.get() + 1_000);
     r.on_tick(&h);
