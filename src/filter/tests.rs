@@ -1647,6 +1647,15 @@ fn a_peer_that_refuses_the_token_is_named_in_the_log() {
 }
 
 /// `peers` as the hosts of one cluster, `gateways`, read through `admin`, plus `more` fields.
+/// Admin's `/clusters` answer listing replicas `10.1.0.{i}:10000` in cluster `gateways`.
+fn gateways_answer(hosts: &[u8]) -> String {
+    let hosts: Vec<serde_json::Value> = hosts
+        .iter()
+        .map(|i| serde_json::json!({"address":{"socket_address":{"address":format!("10.1.0.{i}"),"port_value":10000}}}))
+        .collect();
+    serde_json::json!({"cluster_statuses":[{"name":"gateways","host_statuses":hosts}]}).to_string()
+}
+
 fn one_cluster_peers(more: &str) -> String {
     format!(
         r#","peers":{{"cluster":"gateways","adminCluster":"admin",{more},"token":"{PEER_SECRET}"}}"#
@@ -1672,12 +1681,7 @@ fn replicas_read_from_one_cluster_are_each_asked_and_this_one_is_left_out() {
         (calls[0].cluster.as_str(), path_of(&calls[0])),
         ("admin", "/clusters?format=json&filter=%5Egateways%24")
     );
-    let hosts: Vec<serde_json::Value> = [1, 2]
-        .iter()
-        .map(|i| serde_json::json!({"address":{"socket_address":{"address":format!("10.1.0.{i}"),"port_value":10000}}}))
-        .collect();
-    let body = serde_json::json!({"cluster_statuses":[{"name":"gateways","host_statuses":hosts}]})
-        .to_string();
+    let body = gateways_answer(&[1, 2]);
     ha.set_call_answer(Some(200), body.as_bytes());
     ra.on_call_response(&ha, calls[0].token, 4, body.len());
     // Next tick: each host is asked through the one cluster, pinned by the override header.
@@ -1724,13 +1728,7 @@ fn replicas_read_from_one_cluster_are_each_asked_and_this_one_is_left_out() {
     ra.on_tick(&ha);
     for c in ha.take_dispatched() {
         if c.cluster == "admin" {
-            let hosts: Vec<serde_json::Value> = [0, 1, 2]
-                .iter()
-                .map(|i| serde_json::json!({"address":{"socket_address":{"address":format!("10.1.0.{i}"),"port_value":10000}}}))
-                .collect();
-            let body =
-                serde_json::json!({"cluster_statuses":[{"name":"gateways","host_statuses":hosts}]})
-                    .to_string();
+            let body = gateways_answer(&[0, 1, 2]);
             ha.set_call_answer(Some(200), body.as_bytes());
             ra.on_call_response(&ha, c.token, 4, body.len());
         } else {
@@ -2192,12 +2190,7 @@ fn a_replica_taken_for_this_process_is_asked_again_later() {
     let a = ra.vm();
     ra.on_tick(&ha);
     let calls = ha.take_dispatched();
-    let hosts: Vec<serde_json::Value> = [1, 2]
-        .iter()
-        .map(|i| serde_json::json!({"address":{"socket_address":{"address":format!("10.1.0.{i}"),"port_value":10000}}}))
-        .collect();
-    let body = serde_json::json!({"cluster_statuses":[{"name":"gateways","host_statuses":hosts}]})
-        .to_string();
+    let body = gateways_answer(&[1, 2]);
     ha.set_call_answer(Some(200), body.as_bytes());
     ra.on_call_response(&ha, calls[0].token, 4, body.len());
     ha.now.set(ha.now.get() + 200);
