@@ -152,17 +152,46 @@ const SPEED_CLASS_GAP: f64 = 0.15;
 /// routes it (docs/benchmarks.md, "Learned rates counted by kind of machine"). Kinds twice
 /// apart stay apart.
 pub fn speed_classes(rates: &[f64]) -> Vec<f64> {
-    let mut order: Vec<usize> = (0..rates.len()).collect();
-    order.sort_by(|&a, &b| rates[a].total_cmp(&rates[b]));
+    let kinds = machine_kinds(rates);
     let mut out = rates.to_vec();
-    let same_kind = |&lo: &usize, &hi: &usize| rates[hi] <= rates[lo] * (1.0 + SPEED_CLASS_GAP);
-    for kind in order.chunk_by(same_kind) {
+    for kind in &kinds {
         let mean = kind.iter().map(|&i| rates[i]).sum::<f64>() / kind.len() as f64;
         for &i in kind {
             out[i] = mean;
         }
     }
     out
+}
+
+/// The indices of `rates` grouped by kind of machine, as `speed_classes` groups them.
+fn machine_kinds(rates: &[f64]) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..rates.len()).collect();
+    order.sort_by(|&a, &b| rates[a].total_cmp(&rates[b]));
+    let same_kind = |&lo: &usize, &hi: &usize| rates[hi] <= rates[lo] * (1.0 + SPEED_CLASS_GAP);
+    order.chunk_by(same_kind).map(<[usize]>::to_vec).collect()
+}
+
+/// Learned estimates counted by kind of machine: each one's rate, fixed overhead and
+/// per-request share replaced by its kind's means. The overhead fits of equal endpoints
+/// differ by their noise too, and with the latency predictor an idle endpoint's predicted
+/// wait is its overhead alone: counted one by one, the least-loaded pick sent every cold
+/// placement to the endpoint whose fit came out lowest (simulator, mixed workload,
+/// sticky-until-saturated: capacity at SLO 6 req/s against 8 for the fixed configurations).
+fn pool_by_kind(estimates: &mut [&mut Estimate]) {
+    let rates: Vec<f64> = estimates.iter().map(|e| e.rate).collect();
+    for kind in machine_kinds(&rates) {
+        let n = kind.len() as f64;
+        let mean = |f: fn(&Estimate) -> f64| kind.iter().map(|&i| f(estimates[i])).sum::<f64>() / n;
+        let (rate, overhead_s, per_active) = (
+            mean(|e| e.rate),
+            mean(|e| e.overhead_s),
+            mean(|e| e.per_active),
+        );
+        for &i in &kind {
+            let e = &mut *estimates[i];
+            (e.rate, e.overhead_s, e.per_active) = (rate, overhead_s, per_active);
+        }
+    }
 }
 
 /// Until an endpoint's rate is learned, the tokenaware policy's τ counts R_peak as this many
@@ -677,14 +706,12 @@ impl Router {
             .iter()
             .filter_map(|(_, e)| e.filter(|e| e.learned).map(|e| e.rate))
             .collect();
-        // Each endpoint counts at its kind's rate (`speed_classes`).
-        let classes = speed_classes(&learned);
-        let mut next = classes.iter();
-        for est in with_est.iter_mut().filter_map(|(_, e)| e.as_mut()) {
-            if est.learned {
-                est.rate = next.next().copied().unwrap_or(est.rate);
-            }
-        }
+        // Each endpoint counts at its kind's estimates (`pool_by_kind`).
+        let mut kinds: Vec<&mut Estimate> = with_est
+            .iter_mut()
+            .filter_map(|(_, e)| e.as_mut().filter(|e| e.learned))
+            .collect();
+        pool_by_kind(&mut kinds);
         let mean = match learned.len() {
             0 => self.estimator.prior_rate,
             n => learned.iter().sum::<f64>() / n as f64,
@@ -1544,6 +1571,53 @@ mod tests {
         );
         assert!((speeds[3] - 1.0).abs() < 1e-9, "{speeds:?}");
         assert!((speeds[0] / speeds[4] - 2.0).abs() < 1e-9, "{speeds:?}");
+    }
+
+    #[test]
+    fn the_latency_predictor_counts_by_kind_of_machine() {
+        let (mut r, _, _) = router(
+            r#","peakPrefillThroughput":{"auto":2000},"ttftSource":"latencyPredictor","scorer":"latency""#,
+        );
+        let est = |rate: f64, overhead_s: f64, per_active: f64| Estimate {
+            rate,
+            overhead_s,
+            per_active,
+            observations: 300.0,
+            total: 300,
+            learned: true,
+            capacity_share: 1.0,
+            cache_checks: 0,
+            cache_misses: 0,
+        };
+        let idle = Candidate::default;
+        // Three equal machines whose fits came out apart, and one twice as slow whose fixed
+        // overhead is truly larger.
+        let c = r.in_reference_tokens(vec![
+            (idle(), Some(est(1_950.0, 0.02, 0.010))),
+            (idle(), Some(est(2_000.0, 0.06, 0.030))),
+            (idle(), Some(est(2_050.0, 0.04, 0.020))),
+            (idle(), Some(est(1_000.0, 0.50, 0.020))),
+        ]);
+        let waits: Vec<u64> = c.iter().map(|c| c.load.tokens).collect();
+        // Idle, the wait is the overhead alone: the same on every machine of a kind (not
+        // the lowest fit winning every cold placement), and the slow kind's stays its own.
+        assert_eq!(waits[0], waits[1], "{waits:?}");
+        assert_eq!(waits[1], waits[2], "{waits:?}");
+        assert!(waits[0] > 0 && waits[3] > 5 * waits[0], "{waits:?}");
+        // With work queued, the share running requests add is the kind's too.
+        let busy = |requests: u64| Candidate {
+            load: Load {
+                tokens: 4_000,
+                requests,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let c = r.in_reference_tokens(vec![
+            (busy(10), Some(est(2_000.0, 0.04, 0.0))),
+            (busy(10), Some(est(2_000.0, 0.04, 0.04))),
+        ]);
+        assert_eq!(c[0].load.tokens, c[1].load.tokens, "{c:?}");
     }
 
     #[test]
