@@ -711,6 +711,8 @@ struct RunRow {
     rate: f64,
     completed: usize,
     errors: usize,
+    /// Up to five distinct error texts (`timeout`, `status 503`, ...).
+    error_kinds: Vec<String>,
     ttft_p50_s: f64,
     ttft_p90_s: f64,
     hit_rate: f64,
@@ -1002,6 +1004,7 @@ async fn main() -> anyhow::Result<()> {
                     rate: *rate,
                     completed: s.completed,
                     errors: s.errors,
+                    error_kinds: s.error_kinds.clone(),
                     ttft_p50_s: s.ttft_p50_s,
                     ttft_p90_s: s.ttft_p90_s,
                     hit_rate: s.hit_rate,
@@ -1075,6 +1078,7 @@ fn render_table(kind: WorkloadKind, p: &Profile, table: &[TargetResult]) -> Stri
             ));
         }
     }
+    out.push_str(&error_lines(table));
     let rr = table
         .iter()
         .find(|(t, _, _)| t == "envoy-round-robin")
@@ -1086,6 +1090,25 @@ fn render_table(kind: WorkloadKind, p: &Profile, table: &[TargetResult]) -> Stri
             _ => "–".into(),
         };
         out.push_str(&format!("| {t} | {cap} | {ratio} |\n"));
+    }
+    out
+}
+
+/// One line per stage with errors, naming their kinds, so a report tells a client-side
+/// timeout from an answer the gateway gave.
+fn error_lines(table: &[TargetResult]) -> String {
+    let mut out = String::new();
+    for (t, _, rows) in table {
+        for (rate, s) in rows.iter().filter(|(_, s)| s.errors > 0) {
+            out.push_str(&format!(
+                "\n{t} at {rate} req/s: {} errors ({})",
+                s.errors,
+                s.error_kinds.join(", ")
+            ));
+        }
+    }
+    if !out.is_empty() {
+        out.push('\n');
     }
     out
 }
@@ -1102,6 +1125,19 @@ mod tests {
             ttft_p90_s: p90,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn the_report_names_each_stages_error_kinds() {
+        let mut bad = s(10, 8, 1.0);
+        bad.error_kinds = vec!["timeout".into(), "status 503".into()];
+        let table = vec![("t".to_string(), 1.0, vec![(1.0, s(5, 5, 1.0)), (2.0, bad)])];
+        assert_eq!(
+            error_lines(&table),
+            "\nt at 2 req/s: 2 errors (timeout, status 503)\n"
+        );
+        let clean = vec![("t".to_string(), 1.0, vec![(1.0, s(5, 5, 1.0))])];
+        assert_eq!(error_lines(&clean), "");
     }
 
     #[test]
