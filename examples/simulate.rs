@@ -140,6 +140,16 @@ struct Args {
     reasoning_prompt_tokens: u64,
     #[arg(long, default_value_t = 8_000)]
     reasoning_output_tokens: u64,
+    /// Spread of reasoning outputs: each request's output is drawn from a lognormal with
+    /// mean `--reasoning-output-tokens` and this sigma (0: every output that long), cut at
+    /// four times the mean as a `max_tokens` would cut it.
+    #[arg(long, default_value_t = 0.0)]
+    reasoning_output_sigma: f64,
+    /// With `--mixed`: a prefill runs slower in proportion to the KV the running requests
+    /// hold (each chunked-prefill step also reads every decoding request's context): at a
+    /// full pool it takes `1 + this` times as long (0: decode never slows a prefill).
+    #[arg(long, default_value_t = 0.0)]
+    decode_drag: f64,
     /// Time per output token of a decoding request, ms.
     #[arg(long, default_value_t = 5.0)]
     tpot_ms: f64,
@@ -251,6 +261,8 @@ struct Request {
     shared_cached: u64,
     /// Arrival to first token, once prefilled.
     ttft: Option<f64>,
+    /// Output tokens of a reasoning request (`--reasoning-output-sigma` draws them).
+    output: u64,
 }
 
 /// Events ordered by time (then sequence, for determinism).
@@ -338,8 +350,8 @@ fn workload(a: &Args, cfg: &Config, rate: f64, seed: u64) -> Workload {
 
 /// Prompt tokens, tokens the request holds in KV besides a shared prefix (with --mixed), and
 /// output tokens.
-fn shape(a: &Args, kind: Kind) -> (u64, u64, u64) {
-    match (kind, a.pooled()) {
+fn shape(a: &Args, r: &Request) -> (u64, u64, u64) {
+    match (r.kind, a.pooled()) {
         (Kind::Group(_), false) => (a.prefix_tokens + a.question_tokens, 0, 0),
         (Kind::Group(_), true) => (
             a.prefix_tokens + a.question_tokens,
@@ -348,10 +360,24 @@ fn shape(a: &Args, kind: Kind) -> (u64, u64, u64) {
         ),
         (Kind::Reasoning, _) => (
             a.reasoning_prompt_tokens,
-            a.reasoning_prompt_tokens + a.reasoning_output_tokens,
-            a.reasoning_output_tokens,
+            a.reasoning_prompt_tokens + r.output,
+            r.output,
         ),
     }
+}
+
+/// A reasoning request's output tokens: the configured length, or with a sigma a lognormal
+/// draw of that mean, cut at four times it.
+fn reasoning_output(a: &Args, rng: &mut SmallRng) -> u64 {
+    let mean = a.reasoning_output_tokens as f64;
+    let s = a.reasoning_output_sigma;
+    if s <= 0.0 {
+        return a.reasoning_output_tokens;
+    }
+    // Box-Muller: one standard normal from two uniforms.
+    let (u1, u2): (f64, f64) = (1.0 - rng.gen::<f64>(), rng.gen());
+    let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+    (mean * (s * z - s * s / 2.0).exp()).clamp(1.0, 4.0 * mean) as u64
 }
 
 fn kv_tokens(a: &Args) -> u64 {
@@ -425,8 +451,15 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
     let mut servers: Vec<Server> = (0..a.endpoints).map(|_| Server::default()).collect();
     let mut reqs: Vec<Request> = Vec::with_capacity(w.arrivals.len());
     let mut events = BinaryHeap::new();
+    // Its own stream, so runs without a sigma keep every other draw.
+    let mut orng = SmallRng::seed_from_u64(r.seed.wrapping_mul(0x9E37_79B9) ^ r.rate.to_bits());
     for (i, &(t, kind)) in w.arrivals.iter().enumerate() {
+        let output = match kind {
+            Kind::Reasoning => reasoning_output(a, &mut orng),
+            Kind::Group(_) => a.output_tokens,
+        };
         reqs.push(Request {
+            output,
             arrival: t,
             kind,
             routed: None,
@@ -448,7 +481,7 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
         let now_ms = (now * 1000.0) as u64;
         match ev {
             Event::Arrival(i) => {
-                let (tokens, _, _) = shape(a, reqs[i].kind);
+                let (tokens, _, _) = shape(a, &reqs[i]);
                 let h = match reqs[i].kind {
                     Kind::Group(g) => {
                         qrng.fill_bytes(&mut question);
@@ -503,7 +536,7 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
                 if let (true, false, Kind::Group(g)) = (a.pool, reqs[i].hit, reqs[i].kind) {
                     prefix_computed(a, &mut servers[e], g, reqs[i].shared_cached);
                 }
-                let (tokens, _, output) = shape(a, reqs[i].kind);
+                let (tokens, _, output) = shape(a, &reqs[i]);
                 let cached = match reqs[i].kind {
                     Kind::Group(_) if a.pool => reqs[i].shared_cached,
                     Kind::Group(_) if reqs[i].hit => a.prefix_tokens,
@@ -533,7 +566,7 @@ fn simulate(a: &Args, r: Run) -> Outcomes {
                 if let Some(mut r) = reqs[i].routed.take() {
                     let _ = router.finish(&store, &mut r, Outcome::Done);
                 }
-                let (_, held, _) = shape(a, reqs[i].kind);
+                let (_, held, _) = shape(a, &reqs[i]);
                 let s = &mut servers[e];
                 s.held = s.held.saturating_sub(held);
                 s.running = s.running.saturating_sub(1);
@@ -643,7 +676,7 @@ fn start_next(
         return;
     }
     let Some(&i) = s.queue.front() else { return };
-    let (_, held, _) = shape(a, reqs[i].kind);
+    let (_, held, _) = shape(a, &reqs[i]);
     let pool = kv_tokens(a);
     let prefix = match reqs[i].kind {
         Kind::Group(_) => a.prefix_tokens,
@@ -687,8 +720,9 @@ fn start_next(
     };
     reqs[i].hit = hit;
     s.busy = true;
+    let drag = 1.0 + a.decode_drag * s.held as f64 / pool.max(1) as f64;
     events.push(Reverse((
-        Time(now + work as f64 / a.endpoint_rate(reqs[i].endpoint)),
+        Time(now + work as f64 / a.endpoint_rate(reqs[i].endpoint) * drag),
         Event::PrefillDone(i),
     )));
 }
@@ -706,7 +740,7 @@ fn start_pooled(
 ) {
     let pool = kv_tokens(a);
     while let Some(&i) = s.queue.front() {
-        let (_, held, _) = shape(a, reqs[i].kind);
+        let (_, held, _) = shape(a, &reqs[i]);
         let cached = match reqs[i].kind {
             Kind::Group(g) => s
                 .held_prefixes
