@@ -262,7 +262,8 @@ struct Request {
     shared_cached: u64,
     /// Arrival to first token, once prefilled.
     ttft: Option<f64>,
-    /// Output tokens (a reasoning request's are drawn with `--reasoning-output-sigma`).
+    /// Output tokens (decoded only with `--mixed`; a reasoning request's are drawn with
+    /// `--reasoning-output-sigma`).
     output: u64,
 }
 
@@ -356,8 +357,8 @@ fn shape(a: &Args, r: &Request) -> (u64, u64, u64) {
         (Kind::Group(_), false) => (a.prefix_tokens + a.question_tokens, 0, 0),
         (Kind::Group(_), true) => (
             a.prefix_tokens + a.question_tokens,
-            a.question_tokens + a.output_tokens,
-            a.output_tokens,
+            a.question_tokens + r.output,
+            r.output,
         ),
         (Kind::Reasoning, _) => (
             a.reasoning_prompt_tokens,
