@@ -36,7 +36,11 @@ const TOKEN_EVENT: &str = concat!(
 async fn answer(body: Bytes, streaming: Streaming) -> Response {
     let asks_stream = body.windows(13).any(|w| w == br#""stream":true"#);
     if streaming.events == 0 || !asks_stream {
-        return whole(body.len() / 4).into_response();
+        return (
+            [(header::CONTENT_TYPE, "application/json")],
+            whole_json(body.len() / 4),
+        )
+            .into_response();
     }
     let tokens = body.len() / 4;
     let usage = Bytes::from(format!(
@@ -68,8 +72,9 @@ async fn answer(body: Bytes, streaming: Streaming) -> Response {
         .into_response()
 }
 
-fn whole(tokens: usize) -> impl IntoResponse {
-    let json = format!(
+/// The answer to a request not streamed of `tokens` prompt tokens, all of them cached.
+pub fn whole_json(tokens: usize) -> String {
+    format!(
         concat!(
             r#"{{"id":"x","object":"chat.completion","model":"sim-model","#,
             r#""choices":[{{"index":0,"message":{{"role":"assistant","content":"ok"}},"finish_reason":"length"}}],"#,
@@ -78,8 +83,23 @@ fn whole(tokens: usize) -> impl IntoResponse {
         tokens,
         tokens + 1,
         tokens
-    );
-    ([(header::CONTENT_TYPE, "application/json")], json)
+    )
+}
+
+/// The overhead tools' request: one chat body of about `bytes` bytes, a shared system
+/// prompt and a short question.
+pub fn chat_body(bytes: usize, stream: bool) -> String {
+    let unit = "Shared system prompt for the overhead run. ";
+    serde_json::json!({
+        "model": crate::fleet::MODEL,
+        "max_tokens": 1,
+        "stream": stream,
+        "messages": [
+            {"role": "system", "content": unit.repeat(bytes.saturating_sub(120) / unit.len())},
+            {"role": "user", "content": "question 1"}
+        ]
+    })
+    .to_string()
 }
 
 /// Binds `n` consecutive free loopback ports and serves them on the current tokio runtime

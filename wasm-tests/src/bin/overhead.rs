@@ -29,7 +29,7 @@ use clap::Parser;
 use serde::Serialize;
 use serde_json::json;
 use wasm_tests::envoy::{repo_root, Envoy, GatewayConfig};
-use wasm_tests::fleet::MODEL;
+use wasm_tests::instant::chat_body;
 use wasm_tests::paired::{self, Latency};
 
 #[derive(Debug, Parser)]
@@ -163,20 +163,6 @@ struct Row {
     added_p50_ms: f64,
     added_p99_ms: f64,
     added_cpu_us: f64,
-}
-
-fn chat_body(bytes: usize, stream: bool) -> String {
-    let unit = "Shared system prompt for the overhead run. ";
-    json!({
-        "model": MODEL,
-        "max_tokens": 1,
-        "stream": stream,
-        "messages": [
-            {"role": "system", "content": unit.repeat(bytes.saturating_sub(120) / unit.len())},
-            {"role": "user", "content": "question 1"}
-        ]
-    })
-    .to_string()
 }
 
 /// Clock ticks of user + system time of a process (`/proc/PID/stat` fields 14 and 15).

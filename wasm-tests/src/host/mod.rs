@@ -37,7 +37,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use anyhow::Context as _;
-use wasmtime::{Config, Engine, Module, Strategy};
+use wasmtime::{Config, Engine, Module, ProfilingStrategy, Strategy};
 
 pub use abi::{Action, BufferType, LogLevel, MapType, MetricType, Status, StreamType};
 pub use shared::{Metric, EPOCH_NANOS};
@@ -47,15 +47,37 @@ pub use vm::{Trapped, Vm};
 
 use shared::SharedState;
 
-/// Compiled code is immutable, so one engine and one module per content hash are shared by
-/// every host in the process. Winch, the baseline compiler, because the tests run a debug
-/// build of the compiler: it compiled the 490 KB filter in 5 s where Cranelift took 32 s.
-fn engine() -> anyhow::Result<&'static Engine> {
-    static ENGINE: OnceLock<Result<Engine, String>> = OnceLock::new();
-    let engine = ENGINE.get_or_init(|| {
+/// Which wasmtime compiler turns the filter into machine code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Compiler {
+    /// Winch, the baseline compiler, because the tests run a debug build of the compiler:
+    /// it compiled the 490 KB filter in 5 s where Cranelift took 32 s.
+    Baseline,
+    /// Cranelift, the optimizing compiler, with no fuel metering, writing
+    /// `/tmp/perf-PID.map` so `perf report` names the filter's functions (`hostprofile`:
+    /// where the filter's own code spends).
+    Profiled,
+}
+
+/// Compiled code is immutable, so one engine per compiler and one module per content hash
+/// are shared by every host in the process.
+fn engine(compiler: Compiler) -> anyhow::Result<&'static Engine> {
+    static BASELINE: OnceLock<Result<Engine, String>> = OnceLock::new();
+    static PROFILED: OnceLock<Result<Engine, String>> = OnceLock::new();
+    let cell = match compiler {
+        Compiler::Baseline => &BASELINE,
+        Compiler::Profiled => &PROFILED,
+    };
+    let engine = cell.get_or_init(|| {
         let mut config = Config::new();
-        config.consume_fuel(true);
-        config.strategy(Strategy::Winch);
+        // Fuel stops a runaway test call; metering every block would skew a profile.
+        config.consume_fuel(compiler == Compiler::Baseline);
+        match compiler {
+            Compiler::Baseline => config.strategy(Strategy::Winch),
+            Compiler::Profiled => config
+                .strategy(Strategy::Cranelift)
+                .profiler(ProfilingStrategy::PerfMap),
+        };
         Engine::new(&config).map_err(|e| format!("{e:?}"))
     });
     engine
@@ -63,11 +85,11 @@ fn engine() -> anyhow::Result<&'static Engine> {
         .map_err(|e| anyhow::anyhow!("wasmtime engine: {e}"))
 }
 
-fn compile(bytes: &[u8]) -> anyhow::Result<Module> {
-    static MODULES: OnceLock<Mutex<HashMap<u64, Module>>> = OnceLock::new();
+fn compile(bytes: &[u8], compiler: Compiler) -> anyhow::Result<Module> {
+    static MODULES: OnceLock<Mutex<HashMap<(u64, Compiler), Module>>> = OnceLock::new();
     let mut hasher = DefaultHasher::new();
     bytes.hash(&mut hasher);
-    let key = hasher.finish();
+    let key = (hasher.finish(), compiler);
     // Held while compiling, so parallel tests wait for one compilation instead of each
     // compiling the same module.
     let mut cache = MODULES
@@ -77,7 +99,7 @@ fn compile(bytes: &[u8]) -> anyhow::Result<Module> {
     if let Some(m) = cache.get(&key) {
         return Ok(m.clone());
     }
-    let module = Module::new(engine()?, bytes)?;
+    let module = Module::new(engine(compiler)?, bytes)?;
     cache.insert(key, module.clone());
     Ok(module)
 }
@@ -108,15 +130,24 @@ impl Host {
 
     /// Loads, instantiates and initializes (`_initialize`) one VM from a `.wasm` file.
     pub fn load(&self, path: impl AsRef<Path>) -> anyhow::Result<Vm> {
+        self.load_with(path, Compiler::Baseline)
+    }
+
+    /// Like [`Host::load`], compiled by `compiler`.
+    pub fn load_with(&self, path: impl AsRef<Path>, compiler: Compiler) -> anyhow::Result<Vm> {
         let path = path.as_ref();
         let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-        self.load_bytes(&bytes)
+        self.instantiate(&bytes, compiler)
             .with_context(|| format!("loading {}", path.display()))
     }
 
     /// Like [`Host::load`] from bytes (binary wasm).
     pub fn load_bytes(&self, wasm: &[u8]) -> anyhow::Result<Vm> {
-        let module = compile(wasm)?;
+        self.instantiate(wasm, Compiler::Baseline)
+    }
+
+    fn instantiate(&self, wasm: &[u8], compiler: Compiler) -> anyhow::Result<Vm> {
+        let module = compile(wasm, compiler)?;
         let seed = self.next_seed.fetch_add(1, Ordering::Relaxed);
         Vm::instantiate(&module, self.shared.clone(), seed)
     }
