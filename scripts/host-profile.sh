@@ -8,6 +8,7 @@
 #
 # `--features overhead-baseline` profiles the bare yardstick (buffer, parse, hash, set the
 # header) instead of the filter.
+#
 # Needs `perf` (Debian `linux-perf`). Builds the filter with its name section into
 # target/hostprofile (the shipped build is stripped) and the tool. A measurement, not a test:
 # the code runs warm here, so its µs are fewer than inside Envoy; the shares are the point.
@@ -60,7 +61,7 @@ sums["other"] = 0
 total = jit = 0
 top = []
 for line in open(report, errors="replace"):
-    m = re.match(r"\s*([\d.]+)%\s+(\d+)\s+(.*?)\s+\[\.\]\s+(.*)", line) or re.match(r"\s*([\d.]+)%\s+(\d+)\s+(.*?)\s+\[k\]\s+(.*)", line)
+    m = re.match(r"\s*([\d.]+)%\s+(\d+)\s+(.*?)\s+\[[.k]\]\s+(.*)", line)
     if not m:
         continue
     n, dso, sym = int(m.group(2)), m.group(3), m.group(4)
