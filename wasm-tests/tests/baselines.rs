@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use wasm_tests::envoy::{have_envoy, Envoy, FallbackLb, GatewayConfig, PREFIX_GROUP_HEADER};
-use wasm_tests::fleet::{Fleet, FleetConfig, Timing};
+use wasm_tests::fleet::{Fleet, FleetConfig};
 
 async fn served_by(c: &reqwest::Client, url: &str, group: Option<&str>) -> String {
     let body = r#"{"model":"sim-model","prompt":"hello","max_tokens":2}"#;
@@ -27,15 +27,7 @@ async fn least_request_and_ring_hash_on_prefix_group() {
     if !have_envoy() {
         return;
     }
-    let fleet = Fleet::start_on_free_ports(FleetConfig {
-        endpoints: 4,
-        timing: Timing {
-            time_factor: 0.01,
-            ..Default::default()
-        },
-        ..Default::default()
-    })
-    .unwrap();
+    let fleet = Fleet::start_on_free_ports(FleetConfig::scaled(4, 0.01)).unwrap();
     let eps = fleet.endpoints();
     let c = reqwest::Client::builder()
         .timeout(Duration::from_secs(10))

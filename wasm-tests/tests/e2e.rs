@@ -10,220 +10,15 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
 use serde_json::{json, Value};
-use wasm_tests::envoy::{have_envoy, repo_root, Envoy, GatewayConfig};
-use wasm_tests::fleet::{Fleet, FleetConfig, Timing, MODEL};
+use wasm_tests::envoy::{have_envoy, Envoy, GatewayConfig};
+use wasm_tests::fleet::{Fleet, MODEL};
 
-const CHAT: &str = "/v1/chat/completions";
-const DEBUG: &str = "/debug/tokenaware";
-const DEST: &str = "x-gateway-destination-endpoint";
-/// Every client call is bounded: a hang fails the test instead of stalling it.
-const CLIENT_TIMEOUT: Duration = Duration::from_secs(15);
-
-fn wasm_path() -> PathBuf {
-    let p = repo_root().join("target/wasm32-wasip1/release/tokenaware.wasm");
-    assert!(
-        p.is_file(),
-        "{} is missing: run `cargo build -p tokenaware --release --target wasm32-wasip1` first \
-         (scripts/test.sh does)",
-        p.display()
-    );
-    p
-}
-
-struct Gateway {
-    fleet: Fleet,
-    envoy: Envoy,
-    http: reqwest::Client,
-}
-
-/// Plugin config for the fleet's endpoints: static list, decision header, debug path, stats
-/// sent at once, plus `extra` top-level fields (a JSON object's inner text, may be empty).
-fn plugin_config(eps: &[String], extra: &str) -> String {
-    let list: Vec<Value> = eps.iter().map(|a| json!({ "address": a })).collect();
-    let mut v = json!({
-        "endpoints": list,
-        "decisionHeader": true,
-        "debugPath": DEBUG,
-        "statsFlushMs": 0,
-    });
-    if !extra.is_empty() {
-        let more: Value = serde_json::from_str(&format!("{{{extra}}}")).unwrap();
-        for (k, x) in more.as_object().unwrap() {
-            v[k] = x.clone();
-        }
-    }
-    v.to_string()
-}
-
-const POLL: &str =
-    r#""metrics":{"cluster":"models","intervalMs":100,"timeoutMs":500,"staleAfterMs":3000}"#;
-
-async fn start(fleet: FleetConfig, config: impl FnOnce(&[String]) -> String) -> Gateway {
-    start_with(fleet, config, |_| {}).await
-}
-
-/// `start`, with `tweak` applied to the Envoy config (e.g. extra clusters).
-async fn start_with(
-    fleet: FleetConfig,
-    config: impl FnOnce(&[String]) -> String,
-    tweak: impl FnOnce(&mut GatewayConfig),
-) -> Gateway {
-    let fleet = Fleet::start_on_free_ports(fleet).unwrap();
-    let eps = fleet.endpoints();
-    let mut cfg = GatewayConfig::new(eps.clone()).with_wasm(wasm_path(), config(&eps));
-    tweak(&mut cfg);
-    let envoy = spawn_envoy(cfg).await;
-    Gateway {
-        fleet,
-        envoy,
-        http: client(),
-    }
-}
-
-async fn spawn_envoy(cfg: GatewayConfig) -> Envoy {
-    tokio::task::spawn_blocking(move || Envoy::start(cfg))
-        .await
-        .unwrap()
-        .unwrap()
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .timeout(CLIENT_TIMEOUT)
-        .build()
-        .unwrap()
-}
-
-fn fleet(endpoints: usize, time_factor: f64) -> FleetConfig {
-    FleetConfig {
-        endpoints,
-        timing: Timing {
-            time_factor,
-            ..Default::default()
-        },
-        ..Default::default()
-    }
-}
-
-fn chat(system: &str, question: &str) -> String {
-    json!({
-        "model": MODEL,
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
-        "max_tokens": 4
-    })
-    .to_string()
-}
-
-/// A long shared system prompt, distinct per `group`.
-fn system(group: usize, bytes: usize) -> String {
-    let unit = format!("Group {group}: you are a meticulous coding assistant. ");
-    unit.repeat(bytes / unit.len() + 1)
-}
-
-struct Answer {
-    status: u16,
-    endpoint: String,
-    decision: String,
-}
-
-impl Gateway {
-    async fn post(&self, path: &str, body: String) -> Answer {
-        let r = self
-            .http
-            .post(self.envoy.url(path))
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
-            .await
-            .unwrap();
-        answer(r).await
-    }
-
-    fn stat(&self, name: &str) -> i64 {
-        self.envoy
-            .stat(&format!("wasmcustom.{name}"))
-            .unwrap()
-            .unwrap_or_else(|| panic!("stat {name} not found"))
-    }
-
-    fn envoy_stat(&self, name: &str) -> i64 {
-        self.envoy.stat(name).unwrap().unwrap_or(0)
-    }
-
-    async fn debug(&self) -> Value {
-        let r = self.http.get(self.envoy.url(DEBUG)).send().await.unwrap();
-        assert_eq!(r.status(), 200);
-        r.json().await.unwrap()
-    }
-
-    /// Polls the debug view until `ok` holds (bounded).
-    async fn debug_until(&self, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let d = self.debug().await;
-            if ok(&d) {
-                return d;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "timed out waiting for {what}: {d:#}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    async fn override_metrics(&self, endpoint: &str, text: &str) {
-        let r = self
-            .http
-            .post(format!("http://{endpoint}/fleet/metrics-override"))
-            .body(text.to_string())
-            .send()
-            .await
-            .unwrap();
-        assert!(r.status().is_success());
-    }
-}
-
-async fn answer(r: reqwest::Response) -> Answer {
-    let status = r.status().as_u16();
-    let h = |n: &str| {
-        r.headers()
-            .get(n)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_string()
-    };
-    let (endpoint, decision) = (h("x-fleet-endpoint"), h("x-tokenaware-decision"));
-    let _ = r.bytes().await.unwrap();
-    Answer {
-        status,
-        endpoint,
-        decision,
-    }
-}
-
-fn endpoint_of(d: &Value, address: &str) -> Value {
-    d["endpoints"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["address"] == address)
-        .cloned()
-        .unwrap_or_else(|| panic!("{address} not in {d:#}"))
-}
-
-fn ledger_is_zero(d: &Value) -> bool {
-    d["endpoints"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .all(|e| e["inflightTokens"] == 0 && e["activeRequests"] == 0 && e["prefilling"] == 0)
-}
+mod support;
+use support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn shared_prefix_lands_on_one_endpoint() {
@@ -417,6 +212,7 @@ async fn malformed_and_huge_bodies_are_served_through_the_fallback() {
         .chunks(16 * 1024)
         .map(|c| Ok(c.to_vec()))
         .collect();
+    let t0 = Instant::now();
     let r = gw
         .http
         .post(gw.envoy.url(CHAT))
@@ -426,7 +222,7 @@ async fn malformed_and_huge_bodies_are_served_through_the_fallback() {
         .send()
         .await
         .unwrap();
-    let a = answer(r).await;
+    let a = answer(r, t0).await;
     assert_eq!(
         (a.status, a.decision.as_str()),
         (200, "reason=fallback; why=too_large")
@@ -511,7 +307,8 @@ async fn polls_reach_each_endpoint_through_override_host() {
     // Each endpoint reports its own queue length; the poll of endpoint X, sent to the
     // `models` cluster with `x-gateway-destination-endpoint: X`, must read X's number.
     for (i, ep) in eps.iter().enumerate() {
-        gw.override_metrics(ep, &waiting(11 * (i as u32 + 1))).await;
+        gw.fleet_control(ep, "metrics-override", &waiting(11 * (i as u32 + 1)))
+            .await;
     }
     let d = gw
         .debug_until("every endpoint's own scrape", |d| {
@@ -549,7 +346,8 @@ async fn polled_metrics_move_load_off_a_busy_endpoint() {
     assert_eq!(a.endpoint, warm);
     assert!(a.decision.contains("reason=sticky"));
     // The warm endpoint reports a long queue (as if other gateways filled it).
-    gw.override_metrics(&warm, &waiting(500)).await;
+    gw.fleet_control(&warm, "metrics-override", &waiting(500))
+        .await;
     gw.debug_until("the queue scraped", |d| {
         endpoint_of(d, &warm)["waiting"].as_f64() == Some(500.0)
     })
@@ -563,7 +361,7 @@ async fn polled_metrics_move_load_off_a_busy_endpoint() {
     );
     assert!(a.decision.contains("reason=spill"), "{}", a.decision);
     // Queue gone: back to the warm endpoint.
-    gw.override_metrics(&warm, "").await;
+    gw.fleet_control(&warm, "metrics-override", "").await;
     gw.debug_until("the queue cleared", |d| {
         endpoint_of(d, &warm)["waiting"].as_f64() == Some(0.0)
     })
@@ -606,8 +404,9 @@ async fn two_workers_share_the_tables() {
         let (fresh, url) = (fresh.clone(), url.clone());
         let body = chat(&system(20 + i % groups, 24_000), &format!("q{i}"));
         async move {
+            let t0 = Instant::now();
             let r = fresh.post(url).body(body).send().await.unwrap();
-            (i % groups, answer(r).await)
+            (i % groups, answer(r, t0).await)
         }
     });
     let handles: Vec<_> = reqs.map(tokio::spawn).collect();
@@ -855,7 +654,8 @@ async fn post_chat(http: &reqwest::Client, e: &Envoy, body: String) -> Answer {
         .post(e.url(CHAT))
         .header("content-type", "application/json")
         .body(body);
-    answer(req.send().await.unwrap()).await
+    let t0 = Instant::now();
+    answer(req.send().await.unwrap(), t0).await
 }
 
 /// GETs `url` with `headers` and reads the answer as JSON.
@@ -947,8 +747,12 @@ async fn a_peer_that_is_down_only_counts_failed_polls() {
     let peers = r#""peers":{"clusters":["peer"],"intervalMs":50,"timeoutMs":200,"token":"e2e-replicas-token-7c1d"}"#;
     let gw = start_with(
         fleet(3, 0.01),
+        wasm_path(),
+        |mut cfg| {
+            cfg.peer_clusters = vec![("peer".into(), format!("127.0.0.1:{dead}"))];
+            cfg
+        },
         |eps| plugin_config(eps, peers),
-        |cfg| cfg.peer_clusters = vec![("peer".into(), format!("127.0.0.1:{dead}"))],
     )
     .await;
     let stat = |n: &str| gw.envoy_stat(&format!("wasmcustom.tokenaware_{n}"));
@@ -991,8 +795,12 @@ async fn a_placement_served_by_a_fallback_is_taken_back_from_the_peers() {
     let peers = format!(r#""peers":{{"clusters":["peer"],"intervalMs":60000,"token":"{token}"}}"#);
     let gw = start_with(
         f,
+        wasm_path(),
+        |mut cfg| {
+            cfg.peer_clusters = vec![("peer".into(), format!("127.0.0.1:{nobody}"))];
+            cfg
+        },
         |eps| plugin_config(eps, &peers),
-        |cfg| cfg.peer_clusters = vec![("peer".into(), format!("127.0.0.1:{nobody}"))],
     )
     .await;
     let dead = gw.fleet.endpoints()[1].clone();

@@ -6,22 +6,14 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use wasm_tests::envoy::{have_envoy, Envoy, GatewayConfig};
-use wasm_tests::fleet::{Fleet, FleetConfig, Timing};
+use wasm_tests::fleet::{Fleet, FleetConfig};
 
 #[tokio::test]
 async fn override_host_header_and_round_robin_fallback() {
     if !have_envoy() {
         return;
     }
-    let fleet = Fleet::start_on_free_ports(FleetConfig {
-        endpoints: 3,
-        timing: Timing {
-            time_factor: 0.01,
-            ..Default::default()
-        },
-        ..Default::default()
-    })
-    .unwrap();
+    let fleet = Fleet::start_on_free_ports(FleetConfig::scaled(3, 0.01)).unwrap();
     let eps = fleet.endpoints();
     let envoy = tokio::task::spawn_blocking({
         let eps = eps.clone();

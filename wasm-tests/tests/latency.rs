@@ -16,7 +16,7 @@
 use bytes::Bytes;
 use serde_json::json;
 use wasm_tests::envoy::{repo_root, Envoy, GatewayConfig};
-use wasm_tests::fleet::{Fleet, FleetConfig, Timing, MODEL};
+use wasm_tests::fleet::{Fleet, FleetConfig, MODEL};
 use wasm_tests::paired;
 
 const N: usize = 2_000;
@@ -47,15 +47,7 @@ async fn added_latency() {
         .map(std::path::PathBuf::from)
         .unwrap_or_else(|_| repo_root().join("target/wasm32-wasip1/release/tokenaware.wasm"));
     assert!(wasm.is_file(), "build the release .wasm first");
-    let fleet = Fleet::start_on_free_ports(FleetConfig {
-        endpoints: 3,
-        timing: Timing {
-            time_factor: 0.0,
-            ..Default::default()
-        },
-        ..Default::default()
-    })
-    .unwrap();
+    let fleet = Fleet::start_on_free_ports(FleetConfig::scaled(3, 0.0)).unwrap();
     let eps = fleet.endpoints();
     let list: Vec<_> = eps.iter().map(|a| json!({ "address": a })).collect();
     // TOKENAWARE_LATENCY_EXTRA: extra plugin-config fields (a JSON object) to measure variants.

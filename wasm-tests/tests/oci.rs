@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context};
 use serde_json::json;
 use wasm_tests::envoy::{have_envoy, http_get, repo_root, Envoy, GatewayConfig};
-use wasm_tests::fleet::{Fleet, FleetConfig, Timing, MODEL};
+use wasm_tests::fleet::{Fleet, FleetConfig, MODEL};
 use wasm_tests::{oci, ports};
 
 const REGISTRY_BIN: &str = "/usr/bin/docker-registry";
@@ -318,15 +318,7 @@ async fn pushed_image_pulls_back_and_routes_in_envoy() {
     // The module as a gateway would get it from the registry, loaded by Envoy.
     let plugin_path = tmp.0.join("plugin.wasm");
     std::fs::write(&plugin_path, &plugin).unwrap();
-    let fleet = Fleet::start_on_free_ports(FleetConfig {
-        endpoints: 3,
-        timing: Timing {
-            time_factor: 0.01,
-            ..Default::default()
-        },
-        ..Default::default()
-    })
-    .unwrap();
+    let fleet = Fleet::start_on_free_ports(FleetConfig::scaled(3, 0.01)).unwrap();
     let eps = fleet.endpoints();
     let list: Vec<_> = eps.iter().map(|a| json!({ "address": a })).collect();
     let config =

@@ -97,6 +97,19 @@ impl Default for FleetConfig {
 }
 
 impl FleetConfig {
+    /// `endpoints` honest endpoints at the default timing, every duration times `time_factor`
+    /// (0.01 runs 100x faster than real time).
+    pub fn scaled(endpoints: usize, time_factor: f64) -> Self {
+        Self {
+            endpoints,
+            timing: Timing {
+                time_factor,
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
     /// The timing of the endpoint on `port`: the fleet's, with the prefill rate lowered for
     /// the first `slow_endpoints`.
     pub fn timing_for(&self, port: u16) -> Timing {

@@ -1,4 +1,4 @@
-//! Shared by the fault, bad-input and security tests: a fleet and a real Envoy with the
+//! Shared by the end-to-end, fault, bad-input and security tests: a fleet and a real Envoy with the
 //! release `tokenaware.wasm`, a bounded HTTP client, the filter's stats and debug view, and a
 //! small concurrent load runner. Every wait is bounded.
 
@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use wasm_tests::envoy::{repo_root, Envoy, GatewayConfig};
-use wasm_tests::fleet::{Fleet, FleetConfig, Timing, MODEL};
+use wasm_tests::fleet::{Fleet, FleetConfig, MODEL};
 
 pub const CHAT: &str = "/v1/chat/completions";
 pub const COMPLETIONS: &str = "/v1/completions";
@@ -66,14 +66,7 @@ pub fn fault_wasm_path() -> PathBuf {
 }
 
 pub fn fleet(endpoints: usize, time_factor: f64) -> FleetConfig {
-    FleetConfig {
-        endpoints,
-        timing: Timing {
-            time_factor,
-            ..Default::default()
-        },
-        ..Default::default()
-    }
+    FleetConfig::scaled(endpoints, time_factor)
 }
 
 /// Plugin config: the static endpoint list, decision header and debug path, stats sent at
@@ -147,15 +140,19 @@ pub async fn start_with(
     let fleet = Fleet::start_on_free_ports(fleet).unwrap();
     let eps = fleet.endpoints();
     let cfg = gw(GatewayConfig::new(eps.clone()).with_wasm(wasm, config(&eps)));
-    let envoy = tokio::task::spawn_blocking(move || Envoy::start(cfg))
-        .await
-        .unwrap()
-        .unwrap();
     Gateway {
         fleet,
-        envoy,
+        envoy: spawn_envoy(cfg).await,
         http: client(),
     }
+}
+
+/// Starts an Envoy off the async runtime's threads (its start waits for the admin port).
+pub async fn spawn_envoy(cfg: GatewayConfig) -> Envoy {
+    tokio::task::spawn_blocking(move || Envoy::start(cfg))
+        .await
+        .unwrap()
+        .unwrap()
 }
 
 pub async fn start(fleet: FleetConfig, config: impl FnOnce(&[String]) -> String) -> Gateway {
