@@ -14,7 +14,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use support::*;
 use wasm_tests::envoy::have_envoy;
-use wasm_tests::fleet::MODEL;
+use wasm_tests::fleet::{FleetConfig, MODEL};
 
 /// Posts raw bytes with a content type (and optionally a content encoding).
 async fn post_bytes(
@@ -76,7 +76,7 @@ async fn bad_bodies_are_routed_fall_back_or_get_a_clear_4xx() {
     if !have_envoy() {
         return;
     }
-    let gw = start(fleet(3, 0.01), |eps| plugin_config(eps, "")).await;
+    let gw = start(FleetConfig::scaled(3, 0.01), |eps| plugin_config(eps, "")).await;
     let good = chat(&system(1, 8_000), "q");
     // (name, answer, expected status, expected decision prefix)
     let mut seen: Vec<(&str, Answer, u16, &str)> = Vec::new();
@@ -205,7 +205,7 @@ async fn ten_megabytes_pass_unrouted_or_get_a_413_and_chunked_bodies_are_routed(
     let huge = chat(&system(3, 10 << 20), "q");
     // maxBodyBytes (16 MiB) above Envoy's 8 MiB buffer: the filter keeps buffering, Envoy
     // answers 413 itself; no hang.
-    let gw = start(fleet(3, 0.01), |eps| {
+    let gw = start(FleetConfig::scaled(3, 0.01), |eps| {
         plugin_config(eps, r#""maxBodyBytes":16777216"#)
     })
     .await;
@@ -216,7 +216,7 @@ async fn ten_megabytes_pass_unrouted_or_get_a_413_and_chunked_bodies_are_routed(
     assert_eq!(gw.stat("tokenaware_requests_routed"), 0);
     drop(gw);
     // The default 4 MiB: over the limit, the filter lets go and the body streams on unrouted.
-    let gw = start(fleet(3, 0.01), |eps| plugin_config(eps, "")).await;
+    let gw = start(FleetConfig::scaled(3, 0.01), |eps| plugin_config(eps, "")).await;
     let port = gw.envoy.listen_port();
     for a in both_ways(&gw, &huge).await {
         assert_eq!(a.status, 200, "{}", a.body);
@@ -267,7 +267,7 @@ async fn http2_cleartext_requests_are_routed() {
         have("nghttp") && have("h2load"),
         "install nghttp2-client (scripts/setup.sh)"
     );
-    let gw = start(fleet(3, 0.01), |eps| plugin_config(eps, "")).await;
+    let gw = start(FleetConfig::scaled(3, 0.01), |eps| plugin_config(eps, "")).await;
     let dir = gw.envoy.dir().to_path_buf();
     let url = gw.envoy.url(CHAT);
     let body = dir.join("h2-body.json");

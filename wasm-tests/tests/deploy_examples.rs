@@ -1006,7 +1006,10 @@ fn envoy_gateway_patches_give_a_valid_envoy_config() {
 /// its status, and whether the filter routed it or Envoy answered 413.
 fn serve_prompt(mut boot: Value, model_cluster: &str, bytes: usize) -> (Option<u16>, u64, u64) {
     fail_closed(&mut boot);
-    let fleet = wasm_tests::fleet::Fleet::start_on_free_ports(support::fleet(2, 0.001)).unwrap();
+    let fleet = wasm_tests::fleet::Fleet::start_on_free_ports(
+        wasm_tests::fleet::FleetConfig::scaled(2, 0.001),
+    )
+    .unwrap();
     let envoy = live::Live::start(&boot, model_cluster, &fleet.endpoints());
     // Endpoints come from admin /clusters (every 2 s); route only once they are known.
     envoy.wait_stat("tokenaware_discovery_ok", 1, Duration::from_secs(15));

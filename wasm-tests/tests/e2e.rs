@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use futures_util::future::join_all;
 use serde_json::{json, Value};
 use wasm_tests::envoy::{have_envoy, Envoy, GatewayConfig};
-use wasm_tests::fleet::{Fleet, MODEL};
+use wasm_tests::fleet::{Fleet, FleetConfig, MODEL};
 
 mod support;
 use support::*;
@@ -25,7 +25,7 @@ async fn shared_prefix_lands_on_one_endpoint() {
     if !have_envoy() {
         return;
     }
-    let gw = start(fleet(3, 0.01), |eps| plugin_config(eps, "")).await;
+    let gw = start(FleetConfig::scaled(3, 0.01), |eps| plugin_config(eps, "")).await;
     let mut by_group: BTreeMap<usize, BTreeSet<String>> = BTreeMap::new();
     for q in 0..6 {
         for g in 0..3 {
@@ -69,7 +69,7 @@ async fn small_tau_spills_concurrent_load() {
     // prompts' worth, which nine requests in flight do not reach); with the absolute gate a
     // broken gate goes to the least queued endpoint (the relative gate's lookahead would
     // still pick the warm one, whose cache discount outweighs its queue).
-    let gw = start(fleet(3, 1.0), |eps| {
+    let gw = start(FleetConfig::scaled(3, 1.0), |eps| {
         plugin_config(
             eps,
             r#""tau":300,"policy":"sticky-until-saturated","gate":"absolute""#,
@@ -117,7 +117,7 @@ async fn client_destination_header_is_ignored() {
     if !have_envoy() {
         return;
     }
-    let gw = start(fleet(3, 0.01), |eps| plugin_config(eps, "")).await;
+    let gw = start(FleetConfig::scaled(3, 0.01), |eps| plugin_config(eps, "")).await;
     let eps = gw.fleet.endpoints();
     let sys = system(3, 20_000);
     let pick = gw.post(CHAT, chat(&sys, "warm")).await.endpoint;
@@ -176,7 +176,7 @@ async fn malformed_and_huge_bodies_are_served_through_the_fallback() {
     if !have_envoy() {
         return;
     }
-    let gw = start(fleet(3, 0.01), |eps| {
+    let gw = start(FleetConfig::scaled(3, 0.01), |eps| {
         plugin_config(eps, r#""maxBodyBytes":65536"#)
     })
     .await;
@@ -245,7 +245,7 @@ async fn dead_endpoint_is_avoided() {
         return;
     }
     let dead_fleet = || {
-        let mut f = fleet(3, 0.01);
+        let mut f = FleetConfig::scaled(3, 0.01);
         f.dead = vec![1];
         f
     };
@@ -302,7 +302,7 @@ async fn polls_reach_each_endpoint_through_override_host() {
     if !have_envoy() {
         return;
     }
-    let gw = start(fleet(3, 0.01), |eps| plugin_config(eps, POLL)).await;
+    let gw = start(FleetConfig::scaled(3, 0.01), |eps| plugin_config(eps, POLL)).await;
     let eps = gw.fleet.endpoints();
     // Each endpoint reports its own queue length; the poll of endpoint X, sent to the
     // `models` cluster with `x-gateway-destination-endpoint: X`, must read X's number.
@@ -336,7 +336,7 @@ async fn polled_metrics_move_load_off_a_busy_endpoint() {
     if !have_envoy() {
         return;
     }
-    let gw = start(fleet(3, 0.01), |eps| {
+    let gw = start(FleetConfig::scaled(3, 0.01), |eps| {
         plugin_config(eps, &format!("{POLL},\"tau\":50000"))
     })
     .await;
@@ -382,7 +382,7 @@ async fn two_workers_share_the_tables() {
     if !have_envoy() {
         return;
     }
-    let gw = start(fleet(3, 0.05), |eps| plugin_config(eps, "")).await;
+    let gw = start(FleetConfig::scaled(3, 0.05), |eps| plugin_config(eps, "")).await;
     assert_eq!(gw.envoy.config().concurrency, 2);
     // A new connection per request, so both workers serve requests.
     let fresh = reqwest::Client::builder()
@@ -461,7 +461,7 @@ async fn client_resets_release_the_ledger() {
         return;
     }
     // Half real time: a 40k-token cold prompt prefills for ~1 s, 400 tokens decode for 1 s.
-    let gw = start(fleet(3, 0.5), |eps| plugin_config(eps, "")).await;
+    let gw = start(FleetConfig::scaled(3, 0.5), |eps| plugin_config(eps, "")).await;
     let port = gw.envoy.listen_port();
     let stream = |g: usize, max_tokens: u32| {
         json!({"model": MODEL, "stream": true, "max_tokens": max_tokens,
@@ -514,7 +514,7 @@ async fn discovery_from_envoy_admin() {
     if !have_envoy() {
         return;
     }
-    let gw = start(fleet(3, 0.01), |_| {
+    let gw = start(FleetConfig::scaled(3, 0.01), |_| {
         json!({
             "discovery": {"adminCluster": "admin", "modelCluster": "models", "intervalMs": 200},
             "decisionHeader": true,
@@ -551,7 +551,7 @@ async fn invalid_plugin_config_is_refused_and_the_log_names_the_field() {
         return;
     }
     let wasm = wasm_path();
-    let fleet = Fleet::start_on_free_ports(fleet(1, 0.01)).unwrap();
+    let fleet = Fleet::start_on_free_ports(FleetConfig::scaled(1, 0.01)).unwrap();
     let cfg = GatewayConfig::new(fleet.endpoints()).with_wasm(
         wasm,
         r#"{"endpoints":[{"address":"127.0.0.1:1"}],"affinityThreshold":7}"#,
@@ -574,7 +574,7 @@ async fn replicas_named_as_peers_send_a_prefix_where_the_other_placed_it() {
     if !have_envoy() {
         return;
     }
-    let fleet = Fleet::start_on_free_ports(fleet(4, 0.01)).unwrap();
+    let fleet = Fleet::start_on_free_ports(FleetConfig::scaled(4, 0.01)).unwrap();
     let eps = fleet.endpoints();
     let ports = wasm_tests::ports::free_ports(2).unwrap();
     let mut envoys = Vec::new();
@@ -685,7 +685,7 @@ async fn replicas_read_from_one_cluster_learn_each_others_placements() {
     if !have_envoy() {
         return;
     }
-    let fleet = Fleet::start_on_free_ports(fleet(4, 0.01)).unwrap();
+    let fleet = Fleet::start_on_free_ports(FleetConfig::scaled(4, 0.01)).unwrap();
     let eps = fleet.endpoints();
     let ports = wasm_tests::ports::free_ports(2).unwrap();
     let replicas: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
@@ -746,7 +746,7 @@ async fn a_peer_that_is_down_only_counts_failed_polls() {
     let dead = wasm_tests::ports::free_ports(1).unwrap()[0];
     let peers = r#""peers":{"clusters":["peer"],"intervalMs":50,"timeoutMs":200,"token":"e2e-replicas-token-7c1d"}"#;
     let gw = start_with(
-        fleet(3, 0.01),
+        FleetConfig::scaled(3, 0.01),
         wasm_path(),
         |mut cfg| {
             cfg.peer_clusters = vec![("peer".into(), format!("127.0.0.1:{dead}"))];
@@ -787,7 +787,7 @@ async fn a_placement_served_by_a_fallback_is_taken_back_from_the_peers() {
     if !have_envoy() {
         return;
     }
-    let mut f = fleet(3, 0.01);
+    let mut f = FleetConfig::scaled(3, 0.01);
     f.dead = vec![1];
     let token = "e2e-replicas-token-7c1d";
     // The peer is never there and is polled once a minute: only this replica's ring matters.

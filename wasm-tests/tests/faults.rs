@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use support::*;
 use wasm_tests::envoy::{have_envoy, Envoy, GatewayConfig};
-use wasm_tests::fleet::{Fleet, MODEL};
+use wasm_tests::fleet::{Fleet, FleetConfig, MODEL};
 use wasm_tests::ports::free_port;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -24,7 +24,7 @@ async fn a_killed_endpoint_loses_only_its_in_flight_requests_and_traffic_moves_a
     if !have_envoy() {
         return;
     }
-    let gw = start(fleet(3, 0.05), |eps| plugin_config(eps, POLL)).await;
+    let gw = start(FleetConfig::scaled(3, 0.05), |eps| plugin_config(eps, POLL)).await;
     let eps = gw.fleet.endpoints();
     // Six workers; the last two stream (a stream cut after its first byte cannot be retried).
     let workers = 6;
@@ -109,7 +109,7 @@ async fn a_cold_restart_drops_the_index_and_affinity_rebuilds() {
         return;
     }
     let poll = r#""metrics":{"cluster":"models","intervalMs":300,"timeoutMs":200}"#;
-    let gw = start(fleet(3, 0.01), |eps| plugin_config(eps, poll)).await;
+    let gw = start(FleetConfig::scaled(3, 0.01), |eps| plugin_config(eps, poll)).await;
     let eps = gw.fleet.endpoints();
     let sys = system(1, 40_000);
     let first = gw.post(CHAT, chat(&sys, "a")).await;
@@ -175,7 +175,7 @@ async fn metrics_that_are_garbage_fail_or_hang_do_not_hang_routing() {
     if !have_envoy() {
         return;
     }
-    let gw = start(fleet(3, 0.01), |eps| plugin_config(eps, POLL)).await;
+    let gw = start(FleetConfig::scaled(3, 0.01), |eps| plugin_config(eps, POLL)).await;
     let eps = gw.fleet.endpoints();
     for (ep, fault) in eps.iter().zip(["garbage", "500", "slow"]) {
         gw.fleet_control(ep, "metrics-fault", fault).await;
@@ -226,7 +226,7 @@ async fn an_unreachable_admin_cluster_falls_back_without_hanging() {
     let discovery = json!({"adminCluster": "admin", "modelCluster": "models", "intervalMs": 100});
     // Discovery only: nothing known, every request goes to Envoy's round robin.
     let gw = start_with(
-        fleet(3, 0.01),
+        FleetConfig::scaled(3, 0.01),
         wasm_path(),
         |g| GatewayConfig {
             admin_cluster_port: Some(dead),
@@ -257,7 +257,7 @@ async fn an_unreachable_admin_cluster_falls_back_without_hanging() {
     drop(gw);
     // A static list as well: routed from it while discovery keeps failing.
     let gw = start_with(
-        fleet(3, 0.01),
+        FleetConfig::scaled(3, 0.01),
         wasm_path(),
         |g| GatewayConfig {
             admin_cluster_port: Some(dead),
@@ -282,7 +282,7 @@ async fn the_endpoint_set_changes_while_requests_are_in_flight() {
         return;
     }
     // Four endpoints, three in the cluster at first. Streams last about a second.
-    let fleet = Fleet::start_on_free_ports(fleet(4, 0.5)).unwrap();
+    let fleet = Fleet::start_on_free_ports(FleetConfig::scaled(4, 0.5)).unwrap();
     let all = fleet.endpoints();
     let mut cfg = GatewayConfig::new(all[..3].to_vec()).with_wasm(
         wasm_path(),
@@ -368,7 +368,7 @@ async fn start_reconfigurable(config: impl FnOnce(&[String]) -> String) -> Gatew
         dynamic_listener: true,
         ..g
     };
-    start_with(fleet(3, 0.01), wasm_path(), dynamic, config).await
+    start_with(FleetConfig::scaled(3, 0.01), wasm_path(), dynamic, config).await
 }
 
 /// Pushes a new plugin config; true when Envoy took it. New connections then get the new
@@ -461,7 +461,7 @@ async fn an_invalid_runtime_config_is_rejected_and_the_old_one_keeps_serving() {
     drop(gw);
     // At startup no failure_policy makes an invalid config acceptable: Envoy refuses to
     // start, with FAIL_CLOSED as with FAIL_OPEN (e2e.rs checks FAIL_OPEN).
-    let fleet = Fleet::start_on_free_ports(fleet(1, 0.01)).unwrap();
+    let fleet = Fleet::start_on_free_ports(FleetConfig::scaled(1, 0.01)).unwrap();
     let mut cfg = GatewayConfig::new(fleet.endpoints()).with_wasm(
         wasm_path(),
         plugin_config(&fleet.endpoints(), r#""bytesPerToken":0"#),
@@ -487,7 +487,7 @@ async fn a_trap_in_the_filter_recovers_per_failure_policy() {
     let wasm = tokio::task::spawn_blocking(fault_wasm_path).await.unwrap();
     for policy in ["FAIL_OPEN", "FAIL_CLOSED", "FAIL_RELOAD"] {
         let gw = start_with(
-            fleet(3, 0.01),
+            FleetConfig::scaled(3, 0.01),
             wasm.clone(),
             |g| GatewayConfig {
                 failure_policy: policy.into(),
@@ -566,7 +566,7 @@ async fn a_trap_in_the_filter_recovers_per_failure_policy() {
 /// The fleet's own fault modes, without Envoy: what the tests above rely on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_fleet_kills_restarts_cold_and_breaks_its_metrics() {
-    let fleet = Fleet::start_on_free_ports(support::fleet(2, 0.01)).unwrap();
+    let fleet = Fleet::start_on_free_ports(FleetConfig::scaled(2, 0.01)).unwrap();
     let ep = fleet.endpoints()[0].clone();
     let http = client();
     let body = json!({"model": MODEL, "prompt": "warm me up ".repeat(2_000), "max_tokens": 2});
@@ -691,7 +691,7 @@ async fn a_trapped_vms_charges_expire_after_the_request_ttl() {
     }
     let wasm = tokio::task::spawn_blocking(fault_wasm_path).await.unwrap();
     let gw = start_with(
-        fleet(3, 1.0),
+        FleetConfig::scaled(3, 1.0),
         wasm,
         |g| GatewayConfig {
             failure_policy: "FAIL_RELOAD".into(),

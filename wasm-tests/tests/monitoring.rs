@@ -199,7 +199,7 @@ fn exported_names() -> BTreeSet<String> {
         let nobody = wasm_tests::ports::free_ports(1).unwrap()[0];
         let extra = r#""peakPrefillThroughput":"auto","peers":{"clusters":["peer"],"intervalMs":60000,"token":"monitoring-test-token"}"#;
         let gw = support::start_with(
-            support::fleet(1, 1.0),
+            wasm_tests::fleet::FleetConfig::scaled(1, 1.0),
             support::wasm_path(),
             |mut g| {
                 g.peer_clusters = vec![("peer".into(), format!("127.0.0.1:{nobody}"))];

@@ -13,7 +13,7 @@ use std::time::Duration;
 use serde_json::json;
 use support::*;
 use wasm_tests::envoy::{have_envoy, GatewayConfig};
-use wasm_tests::fleet::MODEL;
+use wasm_tests::fleet::{FleetConfig, MODEL};
 
 /// A raw HTTP/1.1 POST with `headers` (verbatim lines) and `body`, chunked with `trailers`
 /// when given. Returns (status, served-by endpoint, decision).
@@ -70,7 +70,7 @@ async fn a_client_never_chooses_the_upstream() {
     if !have_envoy() {
         return;
     }
-    let gw = start(fleet(3, 0.01), |eps| {
+    let gw = start(FleetConfig::scaled(3, 0.01), |eps| {
         plugin_config(eps, r#""maxBodyBytes":65536"#)
     })
     .await;
@@ -173,7 +173,7 @@ async fn the_debug_path_and_decision_header_are_off_unless_configured() {
     }
     let marker = "SECRET-MARKER-7f3a9c";
     // Off: the debug path is an ordinary request (the model server's 404), no decision header.
-    let gw = start(fleet(3, 0.01), |eps| {
+    let gw = start(FleetConfig::scaled(3, 0.01), |eps| {
         let list: Vec<_> = eps.iter().map(|a| json!({ "address": a })).collect();
         json!({ "endpoints": list, "statsFlushMs": 0 }).to_string()
     })
@@ -195,7 +195,7 @@ async fn the_debug_path_and_decision_header_are_off_unless_configured() {
     assert_eq!(gw.stat("tokenaware_requests_routed"), 1);
     drop(gw);
     // On: answered locally, only at the exact path, and never with prompt text.
-    let gw = start(fleet(3, 0.01), |eps| plugin_config(eps, "")).await;
+    let gw = start(FleetConfig::scaled(3, 0.01), |eps| plugin_config(eps, "")).await;
     let a = gw
         .post(CHAT, chat(&format!("{marker} {}", system(1, 8_000)), "q"))
         .await;
@@ -231,7 +231,7 @@ async fn no_prompt_text_in_envoys_debug_log() {
     }
     let marker = "PROMPT-MARKER-b41d2e";
     let gw = start_with(
-        fleet(3, 0.01),
+        FleetConfig::scaled(3, 0.01),
         wasm_path(),
         |g| GatewayConfig {
             log_level: "debug".into(),
@@ -276,7 +276,10 @@ async fn metric_polls_reach_only_configured_or_discovered_endpoints() {
         return;
     }
     // Four endpoints in the Envoy cluster, three in the plugin's static list.
-    let gw = start(fleet(4, 0.01), |eps| plugin_config(&eps[..3], POLL)).await;
+    let gw = start(FleetConfig::scaled(4, 0.01), |eps| {
+        plugin_config(&eps[..3], POLL)
+    })
+    .await;
     let eps = gw.fleet.endpoints();
     gw.stat_at_least("tokenaware_polls_ok", 30, 10).await;
     for (i, ep) in eps.iter().enumerate() {
@@ -292,7 +295,7 @@ async fn metric_polls_reach_only_configured_or_discovered_endpoints() {
     drop(gw);
     // Discovery: exactly the cluster's hosts; a server outside the cluster is never polled.
     let gw = start_with(
-        fleet(4, 0.01),
+        FleetConfig::scaled(4, 0.01),
         wasm_path(),
         |mut g| {
             g.endpoints.truncate(3);
@@ -331,7 +334,7 @@ async fn a_trapped_filter_does_not_hand_the_upstream_to_the_client() {
     let wasm = tokio::task::spawn_blocking(fault_wasm_path).await.unwrap();
     for strip in [false, true] {
         let gw = start_with(
-            fleet(3, 0.01),
+            FleetConfig::scaled(3, 0.01),
             wasm.clone(),
             |g| GatewayConfig {
                 concurrency: 1,
@@ -380,7 +383,7 @@ async fn the_strip_filter_in_front_keeps_routing_intact() {
         return;
     }
     let gw = start_with(
-        fleet(3, 0.01),
+        FleetConfig::scaled(3, 0.01),
         wasm_path(),
         |g| GatewayConfig {
             strip_client_destination: true,

@@ -1,6 +1,6 @@
-//! Shared by the end-to-end, fault, bad-input and security tests: a fleet and a real Envoy with the
-//! release `tokenaware.wasm`, a bounded HTTP client, the filter's stats and debug view, and a
-//! small concurrent load runner. Every wait is bounded.
+//! Shared by the end-to-end, fault, bad-input and security tests: a fleet and a real Envoy
+//! with the release `tokenaware.wasm`, a bounded HTTP client, the filter's stats and debug
+//! view, and a small concurrent load runner. Every wait is bounded.
 
 #![allow(dead_code)] // each test file uses a different part
 
@@ -63,10 +63,6 @@ pub fn fault_wasm_path() -> PathBuf {
     );
     assert!(p.is_file(), "{} missing after the build", p.display());
     p
-}
-
-pub fn fleet(endpoints: usize, time_factor: f64) -> FleetConfig {
-    FleetConfig::scaled(endpoints, time_factor)
 }
 
 /// Plugin config: the static endpoint list, decision header and debug path, stats sent at
