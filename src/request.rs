@@ -162,10 +162,12 @@ pub fn parse(
 /// The largest chat or completions body read as a JSON tree when the one-pass reader
 /// refused it: a tree takes several times the body (a `Value` per token id) in the VM's
 /// linear memory, which never shrinks, and any client can send an odd shape.
-const TREE_FALLBACK_BYTES: usize = 1 << 20;
+pub const TREE_FALLBACK_BYTES: usize = 1 << 20;
 
 /// `parse` by walking a JSON tree: every kind, every shape, and the error when there is one.
-fn parse_tree(
+/// The reference reading: for a body of at most [`TREE_FALLBACK_BYTES`], `parse` gives
+/// exactly this, its one-pass readers included (the `request` fuzz target checks it).
+pub fn parse_tree(
     kind: ApiKind,
     body: &[u8],
     limits: &ParseLimits,

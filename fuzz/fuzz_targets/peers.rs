@@ -25,8 +25,16 @@ fuzz_target!(|data: &[u8]| {
         let _ = s.set(&format!("f/pl/{i}"), chunk, None);
     }
     let ring = log.end(&s).expect("a memory store does not fail").ring;
-    for (since, ring) in [(0, ring), (2, ring), (u64::from(n), ring), (1_000, ring), (1, ring ^ 1)] {
-        let b = log.since(&s, Cursor { next: since, ring }).expect("a memory store does not fail");
+    for (since, ring) in [
+        (0, ring),
+        (2, ring),
+        (u64::from(n), ring),
+        (1_000, ring),
+        (1, ring ^ 1),
+    ] {
+        let b = log
+            .since(&s, Cursor { next: since, ring })
+            .expect("a memory store does not fail");
         assert!(b.next <= u64::from(n).max(since));
         assert!(b.placements.windows(2).all(|w| w[0].seq < w[1].seq));
     }

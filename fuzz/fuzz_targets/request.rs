@@ -1,11 +1,15 @@
 //! Request parser: every input is parsed as all three OpenAI bodies (completions, chat,
 //! responses), with the default limits and a tight depth limit. Checks that parsing never
-//! panics, is deterministic, honours the limits, and that an accepted prompt hashes.
+//! panics, is deterministic, honours the limits, reads every body as the tree walk does
+//! (the one-pass readers of chat and completions bodies included), and that an accepted
+//! prompt hashes.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use tokenaware::prefix::{chain_seed, hash_prompt};
-use tokenaware::request::{parse, ApiKind, ParseError, ParseLimits};
+use tokenaware::request::{
+    parse, parse_tree, ApiKind, ParseError, ParseLimits, TREE_FALLBACK_BYTES,
+};
 
 const KINDS: [ApiKind; 3] = [
     ApiKind::Completions,
@@ -18,9 +22,23 @@ fuzz_target!(|body: &[u8]| {
         max_body_bytes: 4096,
         max_depth: 4,
     };
+    // The least depth limit the one-pass readers still take (below it the tree walk alone
+    // reads): where they count depth themselves, a small body reaches the limit.
+    let shallow = ParseLimits {
+        max_depth: 8,
+        ..ParseLimits::default()
+    };
     for kind in KINDS {
         let got = parse(kind, body, &ParseLimits::default());
         assert_eq!(got, parse(kind, body, &ParseLimits::default()));
+        if body.len() <= TREE_FALLBACK_BYTES {
+            // Errors included: what the one-pass readers refuse, the tree walk reads and names.
+            assert_eq!(got, parse_tree(kind, body, &ParseLimits::default()));
+            assert_eq!(
+                parse(kind, body, &shallow),
+                parse_tree(kind, body, &shallow)
+            );
+        }
         let small = parse(kind, body, &tight);
         if body.len() > tight.max_body_bytes {
             assert_eq!(small, Err(ParseError::TooLarge));
