@@ -165,8 +165,9 @@ pub fn parse(
 pub const TREE_FALLBACK_BYTES: usize = 1 << 20;
 
 /// `parse` by walking a JSON tree: every kind, every shape, and the error when there is one.
-/// The reference reading: for a body of at most [`TREE_FALLBACK_BYTES`], `parse` gives
-/// exactly this, its one-pass readers included (the `request` fuzz target checks it).
+/// The reference reading: for a body within `limits.max_body_bytes` and at most
+/// [`TREE_FALLBACK_BYTES`], `parse` gives exactly this, its one-pass readers included (the
+/// `request` fuzz target checks it). It applies no size limit itself.
 pub fn parse_tree(
     kind: ApiKind,
     body: &[u8],
