@@ -291,10 +291,7 @@ async fn the_endpoint_set_changes_while_requests_are_in_flight() {
         .to_string(),
     );
     cfg.dynamic_endpoints = true;
-    let envoy = tokio::task::spawn_blocking(move || Envoy::start(cfg))
-        .await
-        .unwrap()
-        .unwrap();
+    let envoy = spawn_envoy(cfg).await;
     let mut gw = Gateway {
         fleet,
         envoy,
