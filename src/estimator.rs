@@ -77,6 +77,17 @@ const KEPT_STEP: f64 = 0.25;
 const HOLD_MEMORY: f64 = 0.999;
 const MODEL_KEYS: u64 = 64;
 
+/// A model name as the estimates key it: its hash. Kept for a request in flight in place of
+/// the name, which is the client's and may be of any length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ModelId(u64);
+
+impl From<&str> for ModelId {
+    fn from(model: &str) -> Self {
+        ModelId(xxhash_rust::xxh3::xxh3_64(model.as_bytes()))
+    }
+}
+
 /// The rate restarts from the shadow rate (every sample, none left out) once the two have
 /// differed by more than this factor for [`RESTART_AFTER`] samples in a row: a rate that one
 /// bad reading (a stall among the first samples, a string of absurd `usage` reports) put far
@@ -631,8 +642,8 @@ impl Estimator {
         self.keys.get(slot)
     }
 
-    fn model_key(&self, model: &str) -> String {
-        let h = xxhash_rust::xxh3::xxh3_64(model.as_bytes()) % MODEL_KEYS;
+    fn model_key(&self, model: ModelId) -> String {
+        let h = model.0 % MODEL_KEYS;
         format!("{}m{h:x}", self.prefix)
     }
 
@@ -762,9 +773,9 @@ impl Estimator {
     pub fn bytes_per_token<S: SharedStore + ?Sized>(
         &self,
         s: &S,
-        model: &str,
+        model: impl Into<ModelId>,
     ) -> Result<f64, StoreError> {
-        let (v, _) = s.get(&self.model_key(model))?;
+        let (v, _) = s.get(&self.model_key(model.into()))?;
         Ok(decode_ratio(v.as_deref().unwrap_or(&[])).unwrap_or(self.prior_bytes_per_token))
     }
 
@@ -772,10 +783,11 @@ impl Estimator {
     pub fn observe_bytes_per_token<S: SharedStore + ?Sized>(
         &self,
         s: &S,
-        model: &str,
+        model: impl Into<ModelId>,
         bytes: u64,
         tokens: u64,
     ) -> Result<(), StoreError> {
+        let model = model.into();
         if bytes == 0 || tokens == 0 {
             return Ok(());
         }

@@ -141,11 +141,16 @@ pub fn parse(
                 return Ok(request(fields, prompt, ids));
             }
         }
-        ApiKind::Responses => return parse_tree(kind, body, limits),
+        // No one-pass reader: a large body is read as a tree only when its shape keeps the
+        // tree near the body's size (a long `input` string does; a flood of tiny values not).
+        ApiKind::Responses if body.len() <= TREE_FALLBACK_BYTES || sparse(body) => {
+            return parse_tree(kind, body, limits)
+        }
+        ApiKind::Responses => {}
     }
     if body.len() > TREE_FALLBACK_BYTES {
-        // Valid JSON the one-pass reader refused: an unusual shape, too large to build a
-        // tree of. Checked for JSON without one, so the stats still tell garbage apart.
+        // Valid JSON no one-pass reader took: an unusual shape, too large to build a tree
+        // of. Checked for JSON without one, so the stats still tell garbage apart.
         return Err(
             match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
                 Ok(_) => ParseError::TooLarge,
@@ -160,9 +165,44 @@ pub fn parse(
 }
 
 /// The largest chat or completions body read as a JSON tree when the one-pass reader
-/// refused it: a tree takes several times the body (a `Value` per token id) in the VM's
-/// linear memory, which never shrinks, and any client can send an odd shape.
+/// refused it, and the largest responses body read as one whatever its shape: a tree takes
+/// several times the body (a `Value` per token id) in the VM's linear memory, which never
+/// shrinks, and any client can send an odd shape.
 pub const TREE_FALLBACK_BYTES: usize = 1 << 20;
+
+/// Bytes of tree charged per object and per other value, for [`sparse`]: more than the VM
+/// (32-bit) spends on a small map's node and on a `Value`, so the estimate errs high.
+const TREE_OBJECT_BYTES: usize = 512;
+const TREE_VALUE_BYTES: usize = 32;
+
+/// Whether a body's JSON tree, by an estimate that errs high, takes at most the body's size
+/// beside its strings' bytes. Counts the `{`, `[` and `,` outside strings (each starts an
+/// object or another value) in one pass; nothing allocated.
+fn sparse(body: &[u8]) -> bool {
+    let (mut objects, mut values) = (0usize, 0usize);
+    let (mut in_string, mut escaped) = (false, false);
+    for &b in body {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'{' => objects += 1,
+            b',' | b'[' => values += 1,
+            _ => {}
+        }
+    }
+    let tree = objects
+        .saturating_mul(TREE_OBJECT_BYTES)
+        .saturating_add(values.saturating_mul(TREE_VALUE_BYTES));
+    tree <= body.len()
+}
 
 /// `parse` by walking a JSON tree: every kind, every shape, and the error when there is one.
 /// The reference reading: for a body within `limits.max_body_bytes` and at most
@@ -1015,6 +1055,30 @@ mod tests {
                 parse(ApiKind::ChatCompletions, garbage.as_bytes(), &limits).err(),
                 Some(ParseError::NotJson)
             );
+        }
+
+        #[test]
+        fn a_large_responses_body_is_a_tree_only_when_its_values_are_few() {
+            let limits = ParseLimits::default();
+            let resp = |input: &str| {
+                let body = format!(r#"{{"model":"m","input":{input}}}"#);
+                parse(ApiKind::Responses, body.as_bytes(), &limits).map(|r| r.prompt.len())
+            };
+            // A long text, marks inside it (escaped quotes too) not counted as values.
+            let text = r#"f(a[i], {k: \"[,{\"}); "#.repeat(100_000);
+            assert!(text.len() > TREE_FALLBACK_BYTES);
+            assert!(resp(&format!(r#""{text}""#)).is_ok());
+            let item = |n: usize| format!(r#"{{"role":"user","content":"{}"}}"#, "a".repeat(n));
+            let items = |n: usize, count: usize| format!("[{}]", vec![item(n); count].join(","));
+            assert!(resp(&items(1_000, 1_500)).is_ok());
+            // The same bytes in short items, or in token ids: too many values to build.
+            assert_eq!(resp(&items(40, 30_000)), Err(ParseError::TooLarge));
+            assert_eq!(
+                resp(&format!("[{}0]", "0,".repeat(600_000))),
+                Err(ParseError::TooLarge)
+            );
+            // Under the tree limit every shape is read.
+            assert!(resp(&items(40, 10_000)).is_ok());
         }
 
         proptest! {

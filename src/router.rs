@@ -5,7 +5,9 @@
 
 use crate::config::{Config, PolicyName, TtftSource};
 use crate::endpoints::Endpoint;
-use crate::estimator::{cache_check, CacheCheck, Estimate, Estimator, TtftSample, POOL_PRESSURE};
+use crate::estimator::{
+    cache_check, CacheCheck, Estimate, Estimator, ModelId, TtftSample, POOL_PRESSURE,
+};
 use crate::index::{AffinityIndex, InsertReceipt};
 use crate::ledger::{blend, Charge, Load, LoadLedger, WORK_WINDOW_MS};
 use crate::peers::{PlacementBatch, PlacementLog};
@@ -472,7 +474,7 @@ impl Router {
     /// configuration learns), else as `prompt_tokens`.
     pub fn estimate_tokens<S: SharedStore + ?Sized>(&self, s: &S, req: &InferenceRequest) -> u64 {
         if let (None, true) = (req.prompt_token_ids, self.cfg.learns()) {
-            if let Ok(bpt) = self.estimator.bytes_per_token(s, &req.model) {
+            if let Ok(bpt) = self.estimator.bytes_per_token(s, req.model.as_str()) {
                 return (req.prompt.len() as f64 / bpt).ceil() as u64;
             }
         }
@@ -824,7 +826,7 @@ impl Router {
         &self,
         s: &S,
         r: &mut Routed,
-        (model, prompt_bytes): (&str, u64),
+        (model, prompt_bytes): (impl Into<ModelId>, u64),
         prompt_tokens: u64,
         cached_tokens: Option<u64>,
     ) -> Result<CacheCheck, StoreError> {

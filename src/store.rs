@@ -67,6 +67,14 @@ pub trait SharedStore {
     }
 }
 
+/// The version a write names to create a key that is absent. proxy-wasm's shared data
+/// (cpp-host `SharedData::set`) creates an absent key whatever the version, and refuses a
+/// write to a present key whose version differs: so this write creates the key, or fails
+/// with `CasMismatch` when another worker created it between the read and the write (an
+/// unconditional write there would drop that worker's update). Versions come from one
+/// counter from 1 up, so a present key has this one only once in 2^32 writes.
+pub const CREATE_CAS: Cas = Cas::MAX;
+
 /// How often a CAS update is retried before the caller gives up and counts an error.
 pub const CAS_RETRIES: usize = 8;
 
@@ -87,7 +95,8 @@ pub fn update<S: SharedStore + ?Sized, T>(
         let Some((new, out)) = f(value.as_deref().unwrap_or(&[])) else {
             return Ok(None);
         };
-        match store.set(key, &new, cas) {
+        // Still absent: create it, unless another worker did since (then retry on theirs).
+        match store.set(key, &new, cas.or(Some(CREATE_CAS))) {
             Ok(()) => return Ok(Some(out)),
             Err(StoreError::CasMismatch) => continue,
             Err(e) => return Err(e),
@@ -532,6 +541,41 @@ mod tests {
         // the absence read a moment ago (a write to an absent key has no version to check).
         s.set("k", b"X", None).unwrap();
         update(&view, "k", |old| Some(([old, b"y"].concat(), ()))).unwrap();
+        assert_eq!(s.get("k").unwrap().0.as_deref().unwrap(), b"Xy");
+    }
+
+    /// A store where another worker creates each key between this worker's (fresh) read
+    /// and its first write.
+    #[derive(Default)]
+    struct CreatedMeanwhile {
+        store: MemStore,
+        raced: Cell<bool>,
+    }
+
+    impl SharedStore for CreatedMeanwhile {
+        fn get(&self, key: &str) -> Result<(Option<Bytes>, Option<Cas>), StoreError> {
+            self.store.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
+            if !self.raced.replace(true) {
+                self.store.set(key, b"X", None)?;
+            }
+            self.store.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn a_key_created_between_the_read_and_the_write_is_built_on() {
+        let s = CreatedMeanwhile::default();
+        let mut seen = Vec::new();
+        update(&s, "k", |old| {
+            seen.push(old.to_vec());
+            Some(([old, b"y"].concat(), ()))
+        })
+        .unwrap();
+        // The first write (naming no version) conflicts with the other worker's creation;
+        // the retry builds on it.
+        assert_eq!(seen, [b"".to_vec(), b"X".to_vec()]);
         assert_eq!(s.get("k").unwrap().0.as_deref().unwrap(), b"Xy");
     }
 

@@ -15,7 +15,7 @@ use super::host::{Host, HostError};
 use super::stats::{Counter, Fallback};
 use super::usage;
 use super::vm::Vm;
-use crate::estimator::CacheCheck;
+use crate::estimator::{CacheCheck, ModelId};
 use crate::request::{parse, ApiKind, ParseLimits};
 use crate::router::{FirstByteError, Outcome, RouteError, Routed};
 use crate::store::StoreError;
@@ -55,9 +55,9 @@ pub struct HttpFilter {
     streamed: bool,
     /// Last bytes of the response body, for `usage`.
     tail: Vec<u8>,
-    /// The request's model and canonical prompt bytes (0 for token ids), for what `usage`
-    /// teaches about bytes per token.
-    prompt_shape: (String, u64),
+    /// The request's model (its hash) and canonical prompt bytes (0 for token ids), for
+    /// what `usage` teaches about bytes per token.
+    prompt_shape: (ModelId, u64),
     /// A streamed request's new placement (its block hashes), told to `peers` only once the
     /// picked endpoint has answered.
     unshared: Option<Vec<u64>>,
@@ -83,7 +83,7 @@ impl HttpFilter {
             failed_early: false,
             streamed: false,
             tail: Vec::new(),
-            prompt_shape: (String::new(), 0),
+            prompt_shape: (ModelId::default(), 0),
             unshared: None,
             told: None,
             served_elsewhere: false,
@@ -346,10 +346,14 @@ impl HttpFilter {
         let Ok(r) = vm.router.try_borrow() else {
             return;
         };
-        let (model, bytes) = &self.prompt_shape;
         let s = &vm.recent.fresh(h);
-        let shape = (model.as_str(), *bytes);
-        match r.observe_usage(s, routed, shape, u.prompt_tokens, u.cached_tokens) {
+        match r.observe_usage(
+            s,
+            routed,
+            self.prompt_shape,
+            u.prompt_tokens,
+            u.cached_tokens,
+        ) {
             Ok(CacheCheck::Missed) => vm.stats.inc(h, Counter::CacheMisses),
             Ok(CacheCheck::Held) => vm.stats.inc(h, Counter::CacheHeld),
             Ok(CacheCheck::Kept) => vm.stats.inc(h, Counter::CacheKept),
@@ -432,7 +436,7 @@ impl HttpFilter {
             max_body_bytes: usize::try_from(vm.cfg.max_body_bytes).unwrap_or(usize::MAX),
             ..ParseLimits::default()
         };
-        let mut req = parse(kind, &body, &limits).map_err(Fallback::from_parse)?;
+        let req = parse(kind, &body, &limits).map_err(Fallback::from_parse)?;
         drop(body);
         let now = h.now_ms().map_err(|e| internal("reading the clock", e))?;
         let s = &vm.recent.at(h, now);
@@ -452,7 +456,7 @@ impl HttpFilter {
             None => req.prompt.len() as u64,
         };
         let stream = req.stream;
-        self.prompt_shape = (std::mem::take(&mut req.model), bytes);
+        self.prompt_shape = (ModelId::from(req.model.as_str()), bytes);
         drop(req);
         let mut routed = router
             .route(s, &table.endpoints, &chain, tokens, now)

@@ -268,7 +268,9 @@ fn score_pick(
         }),
         (_, Picker::MaxScore) => argmin(among, seq, |i| ask.cost(&fleet[i])),
         (Scorer::ActiveRequest, Picker::WeightedRandom) => {
-            weighted_random(fleet, among, seq, |i| fleet[i].load.requests + 1)
+            weighted_random(fleet, among, seq, |i| {
+                fleet[i].load.requests.saturating_add(1)
+            })
         }
         (_, Picker::WeightedRandom) => {
             weighted_random(fleet, among, seq, |i| ask.cost(&fleet[i]).saturating_add(1))

@@ -172,4 +172,25 @@ mod tests {
         f[1].load.requests = 30;
         assert_eq!(p.pick(&ask(&chain), &f, 0).unwrap().endpoint, 0);
     }
+
+    #[test]
+    fn weighted_random_takes_a_saturated_request_count() {
+        // A server's /metrics can report any finite count; the blend saturates it at
+        // u64::MAX, and the weight must not overflow on it.
+        use crate::config::Picker;
+        let chain = [7u64; 10];
+        let p = StickyUntilSaturated {
+            p: Params {
+                scorer: Scorer::ActiveRequest,
+                picker: Picker::WeightedRandom,
+                ..params()
+            },
+        };
+        let mut f = fleet(&[(0, 0), (0, 0)]);
+        f[0].load.requests = u64::MAX;
+        f[1].load.requests = 3;
+        for seq in 0..64 {
+            assert_eq!(p.pick(&ask(&chain), &f, seq).unwrap().endpoint, 1);
+        }
+    }
 }
