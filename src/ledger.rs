@@ -2,7 +2,9 @@
 //! yet prefilled (`U`), and its requests not yet finished (`A`). Charged at pick time (so a
 //! burst sees its own load), prefill released at the first response byte, the request at end
 //! of stream, reset, error or timeout. Releases are idempotent: a `Charge` remembers what it
-//! still holds.
+//! still holds. Clearing a slot (its endpoint left) starts the slot's next tenure, and a
+//! release returns only what its own tenure holds: a request in flight across the clear
+//! neither leaks onto the slot's next owner nor takes back what was charged there since.
 //!
 //! Missed predictions. A predicted hit is charged at its uncached tokens, so an endpoint
 //! whose cache has started to lose what the index says it holds keeps a small ledger while
@@ -35,7 +37,11 @@ const RECENT_MS: u64 = 250;
 /// (count as f32, second of the last update).
 const PLACED_AT: usize = RECENT_AT + RECENT * 8;
 const PLACED_HALF_LIFE_S: f32 = 120.0;
-const VALUE: usize = PLACED_AT + 8;
+/// Then the slot's tenure, which every clear moves on: a release returns only what was
+/// charged in the same tenure, so a request in flight across a clear (its endpoint left,
+/// or left and came back to the same slot) leaves what was charged after it alone.
+const TENURE_AT: usize = PLACED_AT + 8;
+const VALUE: usize = TENURE_AT + 4;
 const SHARE_ONE: u32 = 1 << 16;
 /// Each checked prediction moves the missed share this part of the way to 0 or 1.
 const MISSED_WEIGHT: u32 = 8;
@@ -58,6 +64,7 @@ pub struct Load {
 pub struct Charge {
     pub slot: u16,
     epoch: u32,
+    tenure: u32,
     pub tokens: u64,
     prefill_held: bool,
     request_held: bool,
@@ -113,7 +120,13 @@ impl LoadLedger {
     ) -> Result<Charge, StoreError> {
         let epoch = self.epoch(now_ms);
         let work = Some((now_ms, tokens, placed));
-        self.apply_with(s, slot, (epoch, work, None), |b| {
+        let u = Update {
+            epoch,
+            tenure: None,
+            work,
+            missed: None,
+        };
+        let tenure = self.apply_with(s, slot, u, |b| {
             b.requests = b.requests.saturating_add(1);
             b.prefilling = b.prefilling.saturating_add(1);
             b.tokens = b.tokens.saturating_add(tokens);
@@ -121,6 +134,7 @@ impl LoadLedger {
         Ok(Charge {
             slot,
             epoch,
+            tenure: tenure.unwrap_or(0),
             tokens,
             prefill_held: true,
             request_held: true,
@@ -137,7 +151,7 @@ impl LoadLedger {
             return Ok(());
         }
         let tokens = c.tokens;
-        self.apply(s, c.slot, c.epoch, None, |b| {
+        self.apply_with(s, c.slot, Update::release(c, None), |b| {
             b.tokens = b.tokens.saturating_sub(tokens);
             b.prefilling = b.prefilling.saturating_sub(1);
         })?;
@@ -174,7 +188,7 @@ impl LoadLedger {
             }
             b.requests = b.requests.saturating_sub(1);
         };
-        self.apply_with(s, c.slot, (c.epoch, None, missed), apply)?;
+        self.apply_with(s, c.slot, Update::release(c, missed), apply)?;
         c.prefill_held = false;
         c.request_held = false;
         Ok(())
@@ -265,40 +279,46 @@ impl LoadLedger {
         Ok(f64::from(placed_at(&v.unwrap_or_default(), now_ms)))
     }
 
-    /// Drops an endpoint's load (removed from the fleet).
+    /// Drops an endpoint's load (removed from the fleet) and starts the slot's next tenure.
+    /// Only clears move the tenure, so the version read need not guard the write: a charge
+    /// or release racing it lands on either side, and either is right.
     pub fn clear<S: SharedStore + ?Sized>(&self, s: &S, slot: u16) -> Result<(), StoreError> {
-        s.set(&self.key(slot), &[0u8; VALUE], None)
+        let key = self.key(slot);
+        let (old, _) = s.get_fresh(&key)?;
+        let tenure = read_u32(old.as_deref().unwrap_or(&[]), TENURE_AT).wrapping_add(1);
+        let mut v = [0u8; VALUE];
+        write_u32(&mut v, TENURE_AT, tenure);
+        s.set(&key, &v, None)
     }
 
-    /// Read-modify-write of the bucket for `epoch`. A charge (`work`: its time and tokens)
-    /// claims a stale bucket (resetting it: that is the expiry) and adds to the work window;
-    /// a release only touches a bucket still on its own epoch.
-    fn apply<S: SharedStore + ?Sized>(
-        &self,
-        s: &S,
-        slot: u16,
-        epoch: u32,
-        work: Option<(u64, u64)>,
-        f: impl Fn(&mut Bucket),
-    ) -> Result<(), StoreError> {
-        let work = work.map(|(now_ms, tokens)| (now_ms, tokens, false));
-        self.apply_with(s, slot, (epoch, work, None), f)
-    }
-
-    /// `apply`, also counting a checked prediction into the missed share (whatever the
-    /// bucket: the share is the endpoint's, not a charge's).
+    /// Read-modify-write of the bucket for `epoch`, counting a checked prediction into the
+    /// missed share (whatever the bucket: the share is the endpoint's, not a charge's). A
+    /// charge (`work`: its time and tokens) claims a stale bucket (resetting it: that is the
+    /// expiry) and adds to the work window; a release (`tenure`: its charge's) only touches
+    /// a value still in that tenure and a bucket still on its own epoch. Returns the tenure
+    /// written in (`None`: nothing written).
     fn apply_with<S: SharedStore + ?Sized>(
         &self,
         s: &S,
         slot: u16,
-        (epoch, work, missed): (u32, Option<(u64, u64, bool)>, Option<bool>),
+        u: Update,
         f: impl Fn(&mut Bucket),
-    ) -> Result<(), StoreError> {
+    ) -> Result<Option<u32>, StoreError> {
+        let Update {
+            epoch,
+            tenure,
+            work,
+            missed,
+        } = u;
         let claim = work.is_some();
         update(s, &self.key(slot), |old| {
             let mut v = vec![0u8; VALUE];
             let n = old.len().min(v.len());
             v[..n].copy_from_slice(&old[..n]);
+            let now_tenure = read_u32(&v, TENURE_AT);
+            if tenure.is_some_and(|t| t != now_tenure) {
+                return None;
+            }
             let i = epoch as usize % RING;
             let mut b = Bucket::read(&v, i);
             if let Some(missed) = missed {
@@ -313,7 +333,7 @@ impl LoadLedger {
                 }
                 if !claim {
                     // An expired charge: its bucket is gone, but its answer still counts.
-                    return Some((v, ()));
+                    return Some((v, now_tenure));
                 }
                 b = Bucket {
                     epoch,
@@ -333,9 +353,30 @@ impl LoadLedger {
                     write_u32(&mut v, PLACED_AT + 4, (now_ms / 1000) as u32);
                 }
             }
-            Some((v, ()))
+            Some((v, now_tenure))
         })
-        .map(|_| ())
+    }
+}
+
+/// One ledger update beside its bucket change: the bucket's `epoch`; for a release, the
+/// charge's `tenure`; for a charge, its `work` (time, tokens, whether it places cold); and
+/// what an answer said of a predicted hit (`missed`).
+#[derive(Debug, Clone, Copy)]
+struct Update {
+    epoch: u32,
+    tenure: Option<u32>,
+    work: Option<(u64, u64, bool)>,
+    missed: Option<bool>,
+}
+
+impl Update {
+    fn release(c: &Charge, missed: Option<bool>) -> Update {
+        Update {
+            epoch: c.epoch,
+            tenure: Some(c.tenure),
+            work: None,
+            missed,
+        }
     }
 }
 
@@ -522,6 +563,45 @@ mod tests {
     }
 
     #[test]
+    fn a_release_across_a_clear_leaves_the_next_tenure_alone() {
+        let s = MemStore::new();
+        let l = LoadLedger::new("t", 600);
+        let load = || l.load(&s, 0, 1_500).unwrap();
+        // In flight when its endpoint left the slot (and came back to it, or another took it).
+        let mut before = l.charge(&s, 0, 700, 1_000).unwrap();
+        let mut streamed = l.charge(&s, 0, 300, 1_000).unwrap();
+        l.clear(&s, 0).unwrap();
+        l.clear(&s, 0).unwrap();
+        let mut after = l.charge(&s, 0, 100, 1_200).unwrap();
+        l.release_prefill(&s, &mut streamed).unwrap();
+        l.release(&s, &mut before).unwrap();
+        l.release(&s, &mut streamed).unwrap();
+        let only_after = Load {
+            tokens: 100,
+            requests: 1,
+            prefilling: 1,
+        };
+        assert_eq!(load(), only_after);
+        // Charged after the clear (a decision on a table read before it): returned in full.
+        l.release(&s, &mut after).unwrap();
+        assert_eq!(load(), Load::default());
+    }
+
+    #[test]
+    fn a_value_from_before_tenures_keeps_its_charges() {
+        // A ledger written without a tenure (a value of the older, shorter layout) reads as
+        // tenure 0, so its charges are still returned.
+        let s = MemStore::new();
+        let l = LoadLedger::new("t", 600);
+        let mut c = l.charge(&s, 2, 500, 1_000).unwrap();
+        let key = "t/ld/2";
+        let v = s.get(key).unwrap().0.unwrap();
+        s.set(key, &v[..TENURE_AT], None).unwrap();
+        l.release(&s, &mut c).unwrap();
+        assert_eq!(l.load(&s, 2, 1_000).unwrap(), Load::default());
+    }
+
+    #[test]
     fn stale_charges_expire() {
         let s = MemStore::new();
         let l = LoadLedger::new("t", 70);
@@ -532,6 +612,7 @@ mod tests {
         let mut late = Charge {
             slot: 3,
             epoch: 0,
+            tenure: 0,
             tokens: 1000,
             prefill_held: true,
             request_held: true,

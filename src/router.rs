@@ -878,6 +878,18 @@ impl Router {
         recorded
     }
 
+    /// The end of a request whose endpoint no longer holds the slot it was charged on (it
+    /// left; the slot may have a new owner): only the charge goes back, and the ledger's
+    /// tenure says whether it is still there to return. What the answer would teach, or
+    /// undo in the index, belongs to no endpoint routed to now.
+    pub fn finish_departed<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        r: &mut Routed,
+    ) -> Result<(), StoreError> {
+        self.ledger.release(s, &mut r.charge)
+    }
+
     /// The request ended. Idempotent.
     pub fn finish<S: SharedStore + ?Sized>(
         &self,

@@ -228,13 +228,14 @@ impl HttpFilter {
         }
         self.served_elsewhere = true;
         vm.stats.inc(h, Counter::ServedByFallback);
-        if !slot_is_ours(h, vm, routed) {
-            return false;
-        }
+        let ours = slot_is_ours(h, vm, routed);
         if let Ok(r) = vm.router.try_borrow() {
-            if r.finish(&vm.recent.fresh(h), routed, Outcome::FailedEarly)
-                .is_err()
-            {
+            let s = &vm.recent.fresh(h);
+            let released = match ours {
+                true => r.finish(s, routed, Outcome::FailedEarly),
+                false => r.finish_departed(s, routed),
+            };
+            if released.is_err() {
                 vm.stats.inc(h, Counter::ReleaseErrors);
             }
         }
@@ -316,8 +317,8 @@ impl HttpFilter {
             self.withdraw_placement(h, &vm);
             Outcome::FailedEarly
         };
-        // An endpoint that left took its charges with it (its slot was cleared), and what
-        // its answer teaches belongs to no endpoint we still route to.
+        // What the answer of an endpoint that left teaches belongs to no endpoint we still
+        // route to; its charge goes back if it is still there (`finish_departed`).
         let ours = slot_is_ours(h, &vm, &routed);
         // `usage` first: it completes the TTFT sample held since the first byte.
         if let Some(u) = usage::scan(&self.tail) {
@@ -329,11 +330,11 @@ impl HttpFilter {
                 self.learn_from_usage(h, &vm, &mut routed, u);
             }
         }
-        let released = !ours
-            || match vm.router.try_borrow() {
-                Ok(r) => r.finish(&vm.recent.fresh(h), &mut routed, outcome).is_ok(),
-                Err(_) => false,
-            };
+        let released = match vm.router.try_borrow() {
+            Ok(r) if ours => r.finish(&vm.recent.fresh(h), &mut routed, outcome).is_ok(),
+            Ok(r) => r.finish_departed(&vm.recent.fresh(h), &mut routed).is_ok(),
+            Err(_) => false,
+        };
         if released {
             vm.stats.inc(h, Counter::Released);
         } else {
@@ -381,7 +382,8 @@ impl HttpFilter {
             }
         };
         if !slot_is_ours(h, vm, routed) {
-            return;
+            // Its endpoint left: the prefill goes back if still charged, no TTFT sample.
+            routed.ttft_sample = false;
         }
         let s = &vm.recent.fresh(h);
         match vm.router.try_borrow().map(|r| r.first_byte(s, routed, now)) {
@@ -548,7 +550,8 @@ fn tell_peers<H: Host>(h: &H, vm: &Vm, kept: Result<Option<u64>, StoreError>) ->
 /// Whether the picked endpoint still holds the slot it was charged on. Discovery clears a
 /// departed endpoint's slot and may give it to a new endpoint at once, and so does a reload
 /// whose static list drops one endpoint and adds another: a request still in flight on the
-/// old one must not return its charge (or undo its index insert) there.
+/// old one must not undo its index insert there, nor teach the estimates there what its
+/// answer says. (Its charge is another matter: the ledger's tenure guards it.)
 fn slot_is_ours<H: Host>(h: &H, vm: &Vm, routed: &Routed) -> bool {
     let Some(picked) = routed.addresses.first() else {
         return false;

@@ -1002,6 +1002,76 @@ fn a_request_on_a_departed_endpoint_does_not_release_its_successor() {
 }
 
 #[test]
+fn a_charge_made_on_a_table_from_before_a_clear_is_returned() {
+    // A worker's kept read of the table (`sharedReadMaxAgeMs`) can predate a discovery, on
+    // another worker, that gave the slot to a new endpoint: it charges the departed one on
+    // the cleared slot, and must return that at the end all the same.
+    let h = FakeHost::new();
+    let mut poller = configured(&h, DISCOVERY, 1);
+    let worker = configured(&h, DISCOVERY, 2).vm();
+    discover(&h, &mut poller, &[80]);
+    h.now.set(h.now.get() + 1_000);
+    poller.on_tick(&h);
+    let calls = h.take_dispatched();
+    // The worker reads the table now and keeps the read.
+    let (mut before, _) = send(&h, &worker, CHAT, &chat("before", "q"));
+    respond(&h, &mut before, b"{}");
+    // 1 ms later the poller's discovery swaps 80 for 81 on slot 0.
+    let hosts =
+        serde_json::json!([{"address":{"socket_address":{"address":"10.0.0.1","port_value":81}}}]);
+    let body = serde_json::json!({"cluster_statuses":[{"name":"models","host_statuses":hosts}]})
+        .to_string();
+    h.set_call_answer(Some(200), body.as_bytes());
+    h.now.set(h.now.get() + 1);
+    poller.on_call_response(&h, calls[0].token, 4, body.len());
+    assert_eq!(worker.table(&h).endpoints[0].address, "10.0.0.1:81");
+    // 1 ms after that the worker decides on its kept read: 80, on slot 0.
+    h.now.set(h.now.get() + 1);
+    let (mut stale, _) = send(&h, &worker, CHAT, &chat("stale", "q"));
+    assert!(h.header_values(DESTINATION)[0].starts_with("10.0.0.1:80"));
+    let load = |h: &FakeHost| {
+        worker
+            .router
+            .borrow()
+            .ledger
+            .load(h, 0, h.now.get())
+            .unwrap()
+    };
+    assert_eq!(load(&h).requests, 1);
+    h.now.set(h.now.get() + 10);
+    respond(&h, &mut stale, b"{}");
+    assert_eq!(load(&h), Load::default(), "left on 81's slot");
+    assert_eq!(h.metric("tokenaware_release_errors"), 0);
+}
+
+#[test]
+fn an_endpoint_back_on_its_old_slot_keeps_its_new_charges() {
+    // 80 leaves and comes back to slot 0 while a request on it is in flight: that request's
+    // end must not take back what the new requests on 80 hold.
+    let h = FakeHost::new();
+    let mut r = configured(&h, DISCOVERY, 1);
+    let vm = r.vm();
+    discover(&h, &mut r, &[80]);
+    let (mut old, _) = send(&h, &vm, CHAT, &chat("old", "q"));
+    discover(&h, &mut r, &[]);
+    discover(&h, &mut r, &[80]);
+    assert_eq!(vm.table(&h).endpoints[0].slot, 0);
+    h.now.set(h.now.get() + 10);
+    let (mut new, _) = send(&h, &vm, CHAT, &chat("new", "q"));
+    let load = |h: &FakeHost| vm.router.borrow().ledger.load(h, 0, h.now.get()).unwrap();
+    let with_new = load(&h);
+    assert_eq!(with_new.requests, 1);
+    respond(&h, &mut old, b"{}");
+    assert_eq!(
+        load(&h),
+        with_new,
+        "the old request took back the new one's charge"
+    );
+    respond(&h, &mut new, b"{}");
+    assert_eq!(load(&h), Load::default());
+}
+
+#[test]
 fn a_new_configuration_takes_the_poller_lease() {
     let h = FakeHost::new();
     let mut old = root(&h, METRICS, 1);
