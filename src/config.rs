@@ -501,11 +501,13 @@ impl Config {
             1e12,
         )?;
         check_range("maxEndpoints", self.max_endpoints.into(), 1.0, 4_096.0)?;
+        // 64 MiB is some 16M tokens, past any model's context. The VM holds the body and
+        // the prompt read from it (about as much again), in memory it never gives back.
         check_range(
             "maxBodyBytes",
             self.max_body_bytes as f64,
             1.0,
-            1_073_741_824.0,
+            67_108_864.0,
         )?;
         check_range("fallbacks", self.fallbacks.into(), 0.0, 8.0)?;
         check_range(
@@ -836,6 +838,7 @@ mod tests {
                 r#","metrics":{"cluster":"m","staleAfterMs":0}"#,
                 "metrics.staleAfterMs",
             ),
+            (r#","maxBodyBytes":67108865"#, "maxBodyBytes"),
             (r#","preset":"nope""#, "preset"),
             (r#","bogus":1"#, "bogus"),
             (r#","policy":"fastest""#, "policy"),
