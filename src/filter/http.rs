@@ -95,6 +95,7 @@ impl HttpFilter {
         let had = strip_request_header(h, DESTINATION);
         strip_request_header(h, DESTINATION_SERVED);
         let Some(vm) = self.vm.clone() else {
+            strip_request_header(h, PEER_TOKEN);
             return Action::Continue;
         };
         if had {
@@ -102,9 +103,23 @@ impl HttpFilter {
         }
         let path = match h.request_header(":path") {
             Ok(Some(p)) => p,
-            _ => return Action::Continue,
+            _ => {
+                strip_request_header(h, PEER_TOKEN);
+                return Action::Continue;
+            }
         };
         let path = String::from_utf8_lossy(&path);
+        let peer_path = vm
+            .cfg
+            .peers
+            .as_ref()
+            .is_some_and(|p| path_is(&path, &p.path));
+        if !peer_path {
+            // The replicas' secret goes no further than a replica that answers its poll: a
+            // poll of one without `peers` (during a rollout, or on another `peers.path`)
+            // would take it on to a model server.
+            strip_request_header(h, PEER_TOKEN);
+        }
         if vm
             .cfg
             .debug_path
@@ -118,12 +133,7 @@ impl HttpFilter {
                 Err(_) => Action::Continue,
             };
         }
-        if vm
-            .cfg
-            .peers
-            .as_ref()
-            .is_some_and(|p| path_is(&path, &p.path))
-        {
+        if peer_path {
             return answer_peer(h, &vm, &path);
         }
         if !vm.cfg.is_routed_path(&path) {

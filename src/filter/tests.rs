@@ -1698,6 +1698,36 @@ fn only_a_replica_with_the_token_reads_the_placements() {
 }
 
 #[test]
+fn the_peer_token_goes_no_further_than_a_replica_that_answers_its_poll() {
+    // A poll of a replica without `peers` (a rollout), a request on another path, or one
+    // to a filter with no configuration: the token is removed before the request goes on.
+    let h = FakeHost::new();
+    let with_peers = vm(&h, PEERS);
+    let without = vm(&FakeHost::new(), "");
+    let cases = [
+        (Some(without), "/tokenaware/peers?since=0&ring=0"),
+        (Some(with_peers.clone()), CHAT),
+        (Some(with_peers), "/healthz"),
+        (None, "/tokenaware/peers?since=0&ring=0"),
+    ];
+    for (vm, path) in cases {
+        h.new_request(path, b"");
+        h.request_headers
+            .borrow_mut()
+            .push((PEER_TOKEN.into(), PEER_SECRET.as_bytes().to_vec()));
+        let mut f = HttpFilter::new(vm);
+        f.on_request_headers(&h, true);
+        assert!(
+            h.request_headers
+                .borrow()
+                .iter()
+                .all(|(k, _)| !k.eq_ignore_ascii_case(PEER_TOKEN)),
+            "{path}"
+        );
+    }
+}
+
+#[test]
 fn a_peer_that_refuses_the_token_is_named_in_the_log() {
     let h = FakeHost::new();
     let mut r = root(&h, PEERS, 2);
