@@ -312,8 +312,9 @@ pub struct Config {
     /// Next-best endpoints handed to override_host after the pick.
     pub fallbacks: u32,
     /// How many endpoints a cold prefix may be placed on: the first N by rendezvous on its
-    /// first block, so gateway replicas, which share no tables, tend to agree. Absent: any
-    /// endpoint (the best balance for one gateway).
+    /// first block, so gateway replicas, which share no tables, tend to agree. Absent: two
+    /// while the servers show other senders and `peers` is not set, else any endpoint (the
+    /// best balance for one gateway).
     pub cold_placement_choices: Option<u32>,
     /// Adds `x-tokenaware-decision` to responses.
     pub decision_header: bool,
