@@ -954,14 +954,18 @@ fn discover(h: &FakeHost, r: &mut Root, ports: &[u16]) {
     h.now.set(h.now.get() + 1_000);
     r.on_tick(h);
     let calls = h.take_dispatched();
+    let body = discovery_answer(ports);
+    h.set_call_answer(Some(200), body.as_bytes());
+    r.on_call_response(h, calls[0].token, 4, body.len());
+}
+
+/// Admin's `/clusters` answer listing hosts `10.0.0.1:{ports}` in the models cluster.
+fn discovery_answer(ports: &[u16]) -> String {
     let hosts: Vec<serde_json::Value> = ports
         .iter()
         .map(|p| serde_json::json!({"address":{"socket_address":{"address":"10.0.0.1","port_value":p}}}))
         .collect();
-    let body = serde_json::json!({"cluster_statuses":[{"name":"models","host_statuses":hosts}]})
-        .to_string();
-    h.set_call_answer(Some(200), body.as_bytes());
-    r.on_call_response(h, calls[0].token, 4, body.len());
+    serde_json::json!({"cluster_statuses":[{"name":"models","host_statuses":hosts}]}).to_string()
 }
 
 #[test]
@@ -1017,10 +1021,7 @@ fn a_charge_made_on_a_table_from_before_a_clear_is_returned() {
     let (mut before, _) = send(&h, &worker, CHAT, &chat("before", "q"));
     respond(&h, &mut before, b"{}");
     // 1 ms later the poller's discovery swaps 80 for 81 on slot 0.
-    let hosts =
-        serde_json::json!([{"address":{"socket_address":{"address":"10.0.0.1","port_value":81}}}]);
-    let body = serde_json::json!({"cluster_statuses":[{"name":"models","host_statuses":hosts}]})
-        .to_string();
+    let body = discovery_answer(&[81]);
     h.set_call_answer(Some(200), body.as_bytes());
     h.now.set(h.now.get() + 1);
     poller.on_call_response(&h, calls[0].token, 4, body.len());
