@@ -470,11 +470,17 @@ impl Router {
         }
     }
 
-    /// Prompt tokens with the learned bytes per token of the request's model (when the
-    /// configuration learns), else as `prompt_tokens`.
-    pub fn estimate_tokens<S: SharedStore + ?Sized>(&self, s: &S, req: &InferenceRequest) -> u64 {
+    /// Prompt tokens with the learned bytes per token of `model`, the request's (when the
+    /// configuration learns), else as `prompt_tokens`. The caller hashes the model once and
+    /// keeps it for what the answer teaches.
+    pub fn estimate_tokens<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        req: &InferenceRequest,
+        model: ModelId,
+    ) -> u64 {
         if let (None, true) = (req.prompt_token_ids, self.cfg.learns()) {
-            if let Ok(bpt) = self.estimator.bytes_per_token(s, req.model.as_str()) {
+            if let Ok(bpt) = self.estimator.bytes_per_token(s, model) {
                 return (req.prompt.len() as f64 / bpt).ceil() as u64;
             }
         }
@@ -1071,7 +1077,7 @@ mod tests {
         }
         let req = chat(&"x".repeat(40_000), "q");
         let chain = r.hash(&req);
-        let tokens = r.estimate_tokens(&s, &req);
+        let tokens = r.estimate_tokens(&s, &req, ModelId::from(req.model.as_str()));
         let mut first = r.route(&s, &t.endpoints, &chain, tokens, 1_000).unwrap();
         r.first_byte(&s, &mut first, 1_100).unwrap();
         r.finish(&s, &mut first, Outcome::Done).unwrap();

@@ -462,13 +462,14 @@ impl HttpFilter {
             vm.stats.inc(h, Counter::EstimateErrors);
         }
         let chain = router.hash(&req);
-        let tokens = router.estimate_tokens(s, &req);
+        let model = ModelId::from(req.model.as_str());
+        let tokens = router.estimate_tokens(s, &req, model);
         let bytes = match req.prompt_token_ids {
             Some(_) => 0,
             None => req.prompt.len() as u64,
         };
         let stream = req.stream;
-        self.prompt_shape = (ModelId::from(req.model.as_str()), bytes);
+        self.prompt_shape = (model, bytes);
         drop(req);
         let mut routed = router
             .route(s, &table.endpoints, &chain, tokens, now)
