@@ -12,6 +12,7 @@
 use std::rc::Rc;
 
 use super::host::{Host, HostError};
+use super::opening::OpeningEvents;
 use super::stats::{Counter, Fallback};
 use super::usage;
 use super::vm::Vm;
@@ -25,6 +26,10 @@ pub const DESTINATION_SERVED: &str = "x-gateway-destination-endpoint-served";
 pub const DECISION: &str = "x-tokenaware-decision";
 /// The replicas' shared secret on a peer poll (`peers.token`).
 pub const PEER_TOKEN: &str = "x-tokenaware-peer-token";
+
+/// The largest chunk read whole for a Responses stream's opening events (they echo the
+/// request's instructions and tools, a few KiB).
+const OPENING_READ_BYTES: usize = 1 << 20;
 
 /// What the host should do with the stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,6 +58,8 @@ pub struct HttpFilter {
     failed_early: bool,
     /// The request asked for a streamed answer.
     streamed: bool,
+    /// A streamed Responses answer: its first token is the first event past these.
+    opening: Option<OpeningEvents>,
     /// Last bytes of the response body, for `usage`.
     tail: Vec<u8>,
     /// The request's model (its hash) and canonical prompt bytes (0 for token ids), for
@@ -82,6 +89,7 @@ impl HttpFilter {
             first_byte: false,
             failed_early: false,
             streamed: false,
+            opening: None,
             tail: Vec::new(),
             prompt_shape: (ModelId::default(), 0),
             unshared: None,
@@ -293,20 +301,46 @@ impl HttpFilter {
         if self.routed.is_none() || body_size == 0 {
             return Action::Continue;
         }
-        if !self.first_byte && !self.failed_early {
-            // A streamed answer's first byte ends its prefill (and is a TTFT sample). One not
-            // streamed comes whole after its decode, its end right behind: `on_log` releases
-            // prefill and request together, one ledger update instead of two.
-            if end_of_stream || !self.streamed {
-                self.first_byte = true;
-            } else {
-                self.first_byte(h);
-            }
+        let awaited = !self.first_byte && !self.failed_early;
+        if awaited && (end_of_stream || !self.streamed) {
+            // An answer not streamed comes whole after its decode, its end right behind:
+            // `on_log` releases prefill and request together, one ledger update, not two.
+            self.first_byte = true;
+        } else if awaited && self.opening.is_some() {
+            return self.opening_body(h, body_size);
+        } else if awaited {
+            // A streamed answer's first byte ends its prefill (and is a TTFT sample).
+            self.first_byte(h);
         }
         let want = body_size.min(usage::TAIL_BYTES);
         if let Ok(chunk) = h.response_body(body_size - want, want) {
             usage::keep_tail(&mut self.tail, &chunk);
         }
+        Action::Continue
+    }
+
+    /// A chunk of a streamed Responses answer before its first token: read whole (the
+    /// opening events are a few KiB), and its first token's event ends the prefill.
+    fn opening_body<H: Host>(&mut self, h: &H, body_size: usize) -> Action {
+        if body_size > OPENING_READ_BYTES {
+            // Past any opening event's size: the first token is taken to be in it.
+            self.opening = None;
+            self.first_byte(h);
+            return self.on_response_body(h, body_size, false);
+        }
+        let Ok(chunk) = h.response_body(0, body_size) else {
+            // Unreadable: the prefill is held to the stream's end, as one not streamed.
+            return Action::Continue;
+        };
+        if self
+            .opening
+            .as_mut()
+            .is_some_and(|o| o.past_opening(&chunk))
+        {
+            self.opening = None;
+            self.first_byte(h);
+        }
+        usage::keep_tail(&mut self.tail, &chunk);
         Action::Continue
     }
 
@@ -479,6 +513,9 @@ impl HttpFilter {
             })?;
         routed.ttft_sample = stream;
         self.streamed = stream;
+        if stream && kind == ApiKind::Responses {
+            self.opening = Some(OpeningEvents::default());
+        }
         if let Err(e) = h.set_request_header(DESTINATION, &routed.addresses.join(",")) {
             let _ = router.finish(&vm.recent.fresh(h), &mut routed, Outcome::FailedEarly);
             return Err(internal("setting the destination", e));

@@ -2,12 +2,13 @@
 //! it builds and is unit-tested natively (`testing::FakeHost`), and `wasm` binds it to
 //! proxy-wasm. `http` is one stream, `root` the configuration and the poller tick, `vm` what
 //! one VM keeps between requests, `stats` the Envoy stats, `memory` the VMs' memory gauges, `peering` whom `peers` asks, `usage` reads response
-//! usage, `bare` the yardstick of overhead runs.
+//! usage, `opening` finds a Responses stream's first token, `bare` the yardstick of overhead runs.
 
 pub mod bare;
 pub mod host;
 pub mod http;
 pub mod memory;
+mod opening;
 mod peering;
 pub mod root;
 pub mod stats;

@@ -2376,3 +2376,60 @@ fn a_round_of_polls_writes_the_table_once() {
     let t = r.vm().table(&h);
     assert!(t.endpoints.iter().any(|e| e.waiting == Some(7.0)));
 }
+
+/// A streamed Responses answer opens with `response.created` and `response.in_progress`
+/// before the server has prefilled anything: its first token, not its first byte, ends the
+/// prefill and times the sample.
+#[test]
+fn a_responses_stream_ends_its_prefill_at_its_first_token() {
+    let h = FakeHost::new();
+    let vm = vm(&h, r#","peakPrefillThroughput":"auto""#);
+    let created = b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"status\":\"in_progress\",\"metadata\":{\"type\":\"response.output_text.delta\"},\"usage\":null}}\n\nevent: response.in_progress\ndata: {\"type\":\"response.in_progress\"}\n\n";
+    let chunks: [&[u8]; 2] = [
+        b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"a\"}\n\n",
+        b"event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":10000,\"input_tokens_details\":{\"cached_tokens\":0},\"output_tokens\":1}}}\n\n",
+    ];
+    for i in 0..40 {
+        // Distinct 40,000-byte prompts (about 10,000 tokens), each a cold fill.
+        let body = serde_json::json!({
+            "model": "m", "stream": true,
+            "input": format!("{i:05}{}", "p".repeat(40_000)),
+        })
+        .to_string();
+        let (mut f, _) = send(&h, &vm, "/v1/responses", body.as_bytes());
+        h.set_response_status(200);
+        f.on_response_headers(&h, false);
+        h.now.set(h.now.get() + 2);
+        *h.response_body.borrow_mut() = created.to_vec();
+        f.on_response_body(&h, created.len(), false);
+        let held: u64 = loads(&h, &vm).iter().map(|l| l.tokens).sum();
+        assert!(
+            held > 9_000,
+            "request {i}: {held} tokens held after the opening"
+        );
+        // The server prefills 10,000 tokens at 10,000 tokens/s: its first token a second on.
+        h.now.set(h.now.get() + 1_000);
+        *h.response_body.borrow_mut() = chunks[0].to_vec();
+        f.on_response_body(&h, chunks[0].len(), false);
+        let held: u64 = loads(&h, &vm).iter().map(|l| l.tokens).sum();
+        assert_eq!(held, 0, "request {i}: the first token released the prefill");
+        stream_then_end(&h, &mut f, &chunks[1..]);
+        h.now.set(h.now.get() + 2_000);
+    }
+    assert_ledger_zero(&h, &vm);
+    let r = vm.router.borrow();
+    let estimates: Vec<_> = vm
+        .table(&h)
+        .endpoints
+        .iter()
+        .map(|e| r.estimator.read(&h, e.slot).unwrap())
+        .collect();
+    assert!(estimates.iter().any(|e| e.learned), "{estimates:?}");
+    // Timed from the first byte, the rate ran to its cap (16x the prior, 25x this).
+    assert!(
+        estimates
+            .iter()
+            .all(|e| !e.learned || (5_000.0..20_000.0).contains(&e.rate)),
+        "{estimates:?}"
+    );
+}
