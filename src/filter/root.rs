@@ -33,7 +33,7 @@
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 
-use super::host::{Host, Level, MetricKind};
+use super::host::{Host, HostError, Level, MetricKind};
 use super::http::DESTINATION;
 use super::memory;
 use super::peering::{PeerPoller, PeerTarget};
@@ -151,6 +151,8 @@ pub struct Root {
     peers: PeerPoller,
     /// Discovery calls failed in a row (for the log's rate limit).
     discovery_failures: u64,
+    /// Rounds of metrics polls that could not be sent, in a row (the same).
+    metrics_dispatch_failures: u64,
 }
 
 impl Root {
@@ -185,6 +187,7 @@ impl Root {
         let root = Root {
             peers: PeerPoller::new(&vm.cfg.namespace),
             discovery_failures: 0,
+            metrics_dispatch_failures: 0,
             generation,
             vm,
             calls: HashMap::new(),
@@ -356,6 +359,7 @@ impl Root {
         }
         self.round.clear();
         let table = self.vm.table(h);
+        let mut dispatch_failed = None;
         for e in &table.endpoints {
             if self.polling.contains(&e.address) {
                 continue;
@@ -374,14 +378,34 @@ impl Root {
                     self.round.insert(e.address.clone());
                 }
                 Err(err) => {
-                    let why = format!(
-                        "could not call metrics.cluster `{}` ({})",
-                        m.cluster,
-                        err.as_str()
-                    );
-                    self.poll_failed(h, &e.address, &why);
+                    // This Envoy's failure, not the endpoint's: a `metrics.cluster` that is
+                    // not there (a typo, a rename) says nothing of the fleet's health, and
+                    // counted against each endpoint it took the whole fleet out of rotation.
+                    self.vm.stats.inc(h, Counter::PollsFailed);
+                    dispatch_failed = Some(err);
                 }
             }
+        }
+        self.metrics_dispatch_failed(h, &m.cluster, dispatch_failed);
+    }
+
+    /// Warns of a round whose polls could not be sent, at the first and at 2, 4, 8… in a row.
+    fn metrics_dispatch_failed<H: Host>(&mut self, h: &H, cluster: &str, err: Option<HostError>) {
+        let Some(err) = err else {
+            self.metrics_dispatch_failures = 0;
+            return;
+        };
+        self.metrics_dispatch_failures = self.metrics_dispatch_failures.saturating_add(1);
+        if self.metrics_dispatch_failures.is_power_of_two() {
+            let n = self.metrics_dispatch_failures;
+            h.log(
+                Level::Warn,
+                &format!(
+                    "tokenaware: could not call metrics.cluster `{cluster}` ({}; {n} rounds in \
+                     a row): is it a cluster of this Envoy? Endpoints keep their health",
+                    err.as_str()
+                ),
+            );
         }
     }
 

@@ -2433,3 +2433,28 @@ fn a_responses_stream_ends_its_prefill_at_its_first_token() {
         "{estimates:?}"
     );
 }
+
+/// A `metrics.cluster` this Envoy does not have is its own failure, not the fleet's: every
+/// endpoint stays in rotation, the polls are counted failed, and the log says why now and
+/// then rather than every round.
+#[test]
+fn a_metrics_cluster_that_is_not_there_takes_no_endpoint_out_of_rotation() {
+    let h = FakeHost::new();
+    h.unknown_clusters.borrow_mut().push("models".into());
+    let mut r = root(&h, METRICS, 1);
+    for _ in 0..8 {
+        h.now.set(h.now.get() + 100);
+        r.on_tick(&h);
+    }
+    let t = r.vm().table(&h);
+    assert!(t.endpoints.iter().all(|e| e.healthy), "{:?}", t.endpoints);
+    assert!(h.metric("tokenaware_polls_failed") >= 3 * 7);
+    let w = warnings_with(&h, "could not call metrics.cluster `models`");
+    assert!((3..=4).contains(&w.len()), "{w:?}");
+    assert!(warnings_with(&h, "out of rotation").is_empty());
+    // Once the cluster is there, polls go out again.
+    h.unknown_clusters.borrow_mut().clear();
+    h.now.set(h.now.get() + 100);
+    r.on_tick(&h);
+    assert_eq!(h.take_dispatched().len(), 3);
+}
