@@ -72,6 +72,9 @@ pub struct InferenceRequest {
     /// `max_tokens`, or `max_completion_tokens`, or `max_output_tokens`.
     pub max_tokens: Option<u64>,
     pub cache_salt: Option<String>,
+    /// The prompt has parts that are not text (an image, audio, a file), each a short
+    /// placeholder here: its bytes do not tell its tokens.
+    pub media: bool,
 }
 
 /// Why a body was not routable by prompt.
@@ -132,13 +135,13 @@ pub fn parse(
     }
     match kind {
         ApiKind::ChatCompletions => {
-            if let Some((fields, prompt)) = borrowed::chat(body, limits.max_depth) {
-                return Ok(request(fields, prompt, None));
+            if let Some((fields, prompt, media)) = borrowed::chat(body, limits.max_depth) {
+                return Ok(request(fields, prompt, None, media));
             }
         }
         ApiKind::Completions => {
             if let Some((fields, prompt, ids)) = borrowed::completions(body, limits.max_depth) {
-                return Ok(request(fields, prompt, ids));
+                return Ok(request(fields, prompt, ids, false));
             }
         }
         // No one-pass reader: a large body is read as a tree only when its shape keeps the
@@ -238,10 +241,10 @@ pub fn parse_tree(
     let max_tokens = max_tokens(&obj)?;
     let cache_salt = opt_str(&obj, "cache_salt")?.map(str::to_owned);
     let mut out = Vec::with_capacity(body.len());
-    let prompt_token_ids = match kind {
-        ApiKind::Completions => completions(&obj, &mut out)?,
-        ApiKind::ChatCompletions => chat(&obj, &mut out).map(|()| None)?,
-        ApiKind::Responses => responses(&obj, &mut out).map(|()| None)?,
+    let (prompt_token_ids, media) = match kind {
+        ApiKind::Completions => (completions(&obj, &mut out)?, false),
+        ApiKind::ChatCompletions => (None, chat(&obj, &mut out)?),
+        ApiKind::Responses => (None, responses(&obj, &mut out)?),
     };
     let fields = Fields {
         model,
@@ -249,7 +252,7 @@ pub fn parse_tree(
         max_tokens,
         cache_salt,
     };
-    Ok(request(fields, out, prompt_token_ids))
+    Ok(request(fields, out, prompt_token_ids, media))
 }
 
 /// The scheduling fields, however the body was read.
@@ -260,7 +263,12 @@ struct Fields {
     cache_salt: Option<String>,
 }
 
-fn request(f: Fields, mut prompt: Vec<u8>, prompt_token_ids: Option<u64>) -> InferenceRequest {
+fn request(
+    f: Fields,
+    mut prompt: Vec<u8>,
+    prompt_token_ids: Option<u64>,
+    media: bool,
+) -> InferenceRequest {
     // Bodies that are mostly base64 media shrink a lot; do not hold the reservation.
     if prompt.capacity() > 2 * prompt.len() + 4096 {
         prompt.shrink_to_fit();
@@ -272,6 +280,7 @@ fn request(f: Fields, mut prompt: Vec<u8>, prompt_token_ids: Option<u64>) -> Inf
         stream: f.stream,
         max_tokens: f.max_tokens,
         cache_salt: f.cache_salt,
+        media,
     }
 }
 
@@ -364,7 +373,8 @@ fn push_token_ids(ids: &[Value], out: &mut Vec<u8>) -> Result<u64, ParseError> {
     Ok(ids.len() as u64)
 }
 
-fn chat(obj: &Map<String, Value>, out: &mut Vec<u8>) -> Result<(), ParseError> {
+/// The prompt into `out`; whether it has parts that are not text.
+fn chat(obj: &Map<String, Value>, out: &mut Vec<u8>) -> Result<bool, ParseError> {
     let messages = match obj.get("messages") {
         None | Some(Value::Null) => return Err(ParseError::NoPrompt),
         Some(Value::Array(m)) if m.is_empty() => return Err(ParseError::NoPrompt),
@@ -372,16 +382,18 @@ fn chat(obj: &Map<String, Value>, out: &mut Vec<u8>) -> Result<(), ParseError> {
         Some(_) => return Err(ParseError::WrongType("messages")),
     };
     push_tools(obj.get("tools"), out)?;
+    let mut media = false;
     for message in messages {
         let message = message
             .as_object()
             .ok_or(ParseError::WrongType("messages"))?;
-        push_message(&Message::of(message)?, out)?;
+        media |= push_message(&Message::of(message)?, out)?;
     }
-    Ok(())
+    Ok(media)
 }
 
-fn responses(obj: &Map<String, Value>, out: &mut Vec<u8>) -> Result<(), ParseError> {
+/// The prompt into `out`; whether it has parts that are not text.
+fn responses(obj: &Map<String, Value>, out: &mut Vec<u8>) -> Result<bool, ParseError> {
     let input = match obj.get("input") {
         None | Some(Value::Null) => return Err(ParseError::NoPrompt),
         Some(Value::String(s)) if s.is_empty() => return Err(ParseError::NoPrompt),
@@ -399,13 +411,14 @@ fn responses(obj: &Map<String, Value>, out: &mut Vec<u8>) -> Result<(), ParseErr
         Value::Array(items) => items,
         other => {
             out.extend_from_slice(other.as_str().unwrap_or_default().as_bytes());
-            return Ok(());
+            return Ok(false);
         }
     };
+    let mut media = false;
     for item in items {
         let item = item.as_object().ok_or(ParseError::WrongType("input"))?;
         if item.contains_key("role") || item.contains_key("content") {
-            push_message(&Message::of(item)?, out)?;
+            media |= push_message(&Message::of(item)?, out)?;
         } else {
             // function_call, function_call_output, reasoning, ...: keep them whole.
             let kind = item.get("type").and_then(Value::as_str).unwrap_or("item");
@@ -415,7 +428,7 @@ fn responses(obj: &Map<String, Value>, out: &mut Vec<u8>) -> Result<(), ParseErr
             out.push(RS);
         }
     }
-    Ok(())
+    Ok(media)
 }
 
 /// Tools go first: they precede the conversation in every chat template.
@@ -470,16 +483,17 @@ impl<'v> Message<'v> {
     }
 }
 
-/// One message as one `RS`-terminated record.
-fn push_message(message: &Message, out: &mut Vec<u8>) -> Result<(), ParseError> {
+/// One message as one `RS`-terminated record; whether it has parts that are not text.
+fn push_message(message: &Message, out: &mut Vec<u8>) -> Result<bool, ParseError> {
     out.extend_from_slice(message.role.as_bytes());
     out.push(US);
+    let mut media = false;
     match message.content {
         Content::Absent => {}
         Content::Text(s) => out.extend_from_slice(s.as_bytes()),
         Content::Parts(parts) => {
             for part in parts {
-                push_part(part, out)?;
+                media |= push_part(part, out)?;
             }
         }
     }
@@ -494,16 +508,16 @@ fn push_message(message: &Message, out: &mut Vec<u8>) -> Result<(), ParseError> 
         }
     }
     out.push(RS);
-    Ok(())
+    Ok(media)
 }
 
-/// Text parts contribute their text; anything else a short hash placeholder.
-fn push_part(part: &Value, out: &mut Vec<u8>) -> Result<(), ParseError> {
+/// Text parts contribute their text; anything else a short hash placeholder (and `true`).
+fn push_part(part: &Value, out: &mut Vec<u8>) -> Result<bool, ParseError> {
     const WRONG: ParseError = ParseError::WrongType("content");
     let part = match part {
         Value::String(s) => {
             out.extend_from_slice(s.as_bytes());
-            return Ok(());
+            return Ok(false);
         }
         Value::Object(p) => p,
         _ => return Err(WRONG),
@@ -512,7 +526,7 @@ fn push_part(part: &Value, out: &mut Vec<u8>) -> Result<(), ParseError> {
     if matches!(kind, "text" | "input_text" | "output_text") {
         let text = part.get("text").and_then(Value::as_str).ok_or(WRONG)?;
         out.extend_from_slice(text.as_bytes());
-        return Ok(());
+        return Ok(false);
     }
     // Hash the payload (e.g. the `image_url` object), else the whole part.
     let mut hasher = HashWriter(Xxh3::new());
@@ -521,7 +535,8 @@ fn push_part(part: &Value, out: &mut Vec<u8>) -> Result<(), ParseError> {
         None => serde_json::to_writer(&mut hasher, part),
     };
     hashed.map_err(|_| ParseError::NotJson)?;
-    write!(out, "<{kind}:{:016x}>", hasher.0.digest()).map_err(|_| ParseError::NotJson)
+    write!(out, "<{kind}:{:016x}>", hasher.0.digest()).map_err(|_| ParseError::NotJson)?;
+    Ok(true)
 }
 
 /// Streams serialized JSON into the hasher, so a large base64 image is never copied.
@@ -651,6 +666,39 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_with_media_parts_says_so() {
+        let image = r#"{"type":"image_url","image_url":{"url":"u"}}"#;
+        let text = r#"{"type":"text","text":"a"}"#;
+        let chat = |parts: &str| {
+            format!(r#"{{"model":"m","messages":[{{"role":"user","content":[{parts}]}}]}}"#)
+        };
+        // Both readers: the one-pass one for this shape, the tree walk for any.
+        for parse in [p, |k, b: &str| {
+            parse_tree(k, b.as_bytes(), &ParseLimits::default())
+        }] {
+            assert!(
+                parse(Chat, &chat(&format!("{text},{image}")))
+                    .unwrap()
+                    .media
+            );
+            assert!(!parse(Chat, &chat(text)).unwrap().media);
+            assert!(
+                !parse(Chat, &chat_body(&[("user", "hi")], true))
+                    .unwrap()
+                    .media
+            );
+        }
+        let input = |content: &str| {
+            format!(r#"{{"model":"m","input":[{{"role":"user","content":[{content}]}}]}}"#)
+        };
+        let input_image = r#"{"type":"input_image","image_url":"u"}"#;
+        let input_text = r#"{"type":"input_text","text":"a"}"#;
+        assert!(p(Resp, &input(input_image)).unwrap().media);
+        assert!(!p(Resp, &input(input_text)).unwrap().media);
+        assert!(!p(Comp, r#"{"model":"m","prompt":"a"}"#).unwrap().media);
+    }
+
+    #[test]
     fn chat_prefix_property() {
         let turns = [
             ("system", "s"),
@@ -738,9 +786,9 @@ mod tests {
             r#"{"model":"m","stream":true,"max_tokens":3,"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"image_url","image_url":{"url":"u"}}]},{"role":"assistant","content":null,"tool_calls":[{"id":"1"}]},{"role":"tool","tool_call_id":"1","content":"r"}],"temperature":0.2,"metadata":{"a":[1]}}"#.to_string(),
         ];
         for body in bodies {
-            let (f, prompt) = borrowed::chat(body.as_bytes(), limits.max_depth).unwrap();
+            let (f, prompt, media) = borrowed::chat(body.as_bytes(), limits.max_depth).unwrap();
             let tree = parse_tree(Chat, body.as_bytes(), &limits).unwrap();
-            assert_eq!(request(f, prompt, None), tree);
+            assert_eq!(request(f, prompt, None, media), tree);
         }
     }
 
@@ -894,8 +942,8 @@ mod tests {
             };
             let tree = parse_tree(Chat, body.as_bytes(), &limits);
             prop_assert_eq!(parse(Chat, body.as_bytes(), &limits), tree.clone());
-            if let Some((f, prompt)) = borrowed::chat(body.as_bytes(), max_depth) {
-                prop_assert_eq!(Ok(request(f, prompt, None)), tree);
+            if let Some((f, prompt, media)) = borrowed::chat(body.as_bytes(), max_depth) {
+                prop_assert_eq!(Ok(request(f, prompt, None, media)), tree);
             }
             Ok(())
         }
@@ -977,7 +1025,7 @@ mod tests {
             let tree = parse_tree(Comp, body.as_bytes(), &limits);
             prop_assert_eq!(parse(Comp, body.as_bytes(), &limits), tree.clone());
             if let Some((f, prompt, ids)) = borrowed::completions(body.as_bytes(), max_depth) {
-                prop_assert_eq!(Ok(request(f, prompt, ids)), tree);
+                prop_assert_eq!(Ok(request(f, prompt, ids, false)), tree);
             }
             Ok(())
         }

@@ -498,9 +498,11 @@ impl HttpFilter {
         let chain = router.hash(&req);
         let model = ModelId::from(req.model.as_str());
         let tokens = router.estimate_tokens(s, &req, model);
-        let bytes = match req.prompt_token_ids {
-            Some(_) => 0,
-            None => req.prompt.len() as u64,
+        // Token ids, or placeholders for images and other media: the bytes do not tell the
+        // tokens `usage` counts, and teach bytes per token nothing.
+        let bytes = match (req.prompt_token_ids, req.media) {
+            (None, false) => req.prompt.len() as u64,
+            _ => 0,
         };
         let stream = req.stream;
         self.prompt_shape = (model, bytes);

@@ -2458,3 +2458,48 @@ fn a_metrics_cluster_that_is_not_there_takes_no_endpoint_out_of_rotation() {
     r.on_tick(&h);
     assert_eq!(h.take_dispatched().len(), 3);
 }
+
+/// An image part is a short placeholder in the canonical prompt, but the server counts its
+/// hundreds of tokens in `usage.prompt_tokens`: learned from, it would make every text
+/// request of the model look longer than it is.
+#[test]
+fn a_prompt_with_an_image_teaches_bytes_per_token_nothing() {
+    let h = FakeHost::new();
+    let vm = vm(&h, r#","peakPrefillThroughput":"auto""#);
+    let ask = |i: usize, image: bool| {
+        let mut content = vec![
+            serde_json::json!({"type": "text", "text": format!("{i:05}{}", "t".repeat(8_000))}),
+        ];
+        if image {
+            content.push(serde_json::json!({"type": "image_url", "image_url": {"url": format!("https://img/{i}.png")}}));
+        }
+        let body =
+            serde_json::json!({"model": "vl", "messages": [{"role": "user", "content": content}]});
+        let (mut f, _) = send(&h, &vm, CHAT, body.to_string().as_bytes());
+        // With the image: 2,000 text tokens (4 bytes each) and 1,500 for the image. Alone,
+        // the text counts 2 bytes a token (another tokenizer's count).
+        let tokens = if image { 3_500 } else { 4_000 };
+        let answer = format!(
+            r#"{{"choices":[],"usage":{{"prompt_tokens":{tokens},"completion_tokens":1}}}}"#
+        );
+        respond(&h, &mut f, answer.as_bytes());
+        h.now.set(h.now.get() + 1_000);
+    };
+    let bpt = |h: &FakeHost| {
+        vm.router
+            .borrow()
+            .estimator
+            .bytes_per_token(h, "vl")
+            .unwrap()
+    };
+    let prior = bpt(&h);
+    for i in 0..8 {
+        ask(i, true);
+    }
+    assert_eq!(bpt(&h), prior, "learned from prompts with images");
+    // Text alone still teaches.
+    for i in 8..16 {
+        ask(i, false);
+    }
+    assert!(bpt(&h) < 3.0, "{} (prior {prior})", bpt(&h));
+}

@@ -22,8 +22,9 @@ use super::{deeper_than, push_message, push_tools, Content, Fields, Message};
 /// with a smaller limit the tree walk decides.
 const KNOWN_DEPTH: usize = 8;
 
-/// A chat body, or `None` when the tree walk must decide.
-pub(super) fn chat(body: &[u8], max_depth: usize) -> Option<(Fields, Vec<u8>)> {
+/// A chat body: its fields, the prompt's canonical bytes, and whether the prompt has parts
+/// that are not text; `None` when the tree walk must decide.
+pub(super) fn chat(body: &[u8], max_depth: usize) -> Option<(Fields, Vec<u8>, bool)> {
     if max_depth < KNOWN_DEPTH {
         return None;
     }
@@ -44,6 +45,7 @@ pub(super) fn chat(body: &[u8], max_depth: usize) -> Option<(Fields, Vec<u8>)> {
     }
     let mut out = Vec::with_capacity(body.len());
     push_tools(tools.as_ref(), &mut out).ok()?;
+    let mut media = false;
     for m in &messages {
         let parts_deep = match &m.content {
             Owned::Parts(p) => p.iter().any(|v| too_deep(v, 4)),
@@ -52,9 +54,9 @@ pub(super) fn chat(body: &[u8], max_depth: usize) -> Option<(Fields, Vec<u8>)> {
         if parts_deep || m.extras.iter().flatten().any(|v| too_deep(v, 3)) {
             return None;
         }
-        push_message(&m.view(), &mut out).ok()?;
+        media |= push_message(&m.view(), &mut out).ok()?;
     }
-    Some((fields, out))
+    Some((fields, out, media))
 }
 
 /// A completions body: its fields, the prompt's canonical bytes, and the number of token ids
