@@ -836,7 +836,7 @@ impl Router {
         prompt_tokens: u64,
         cached_tokens: Option<u64>,
     ) -> Result<CacheCheck, StoreError> {
-        if !plausible_usage(r.tokens, prompt_bytes, prompt_tokens) {
+        if !plausible_usage(r.tokens, prompt_bytes, prompt_tokens, cached_tokens) {
             // About something else (a broken server, a proxy between): it teaches nothing,
             // and the TTFT sample counts with the tokens predicted (at `finish`).
             return Ok(CacheCheck::NotPredicted);
@@ -936,13 +936,19 @@ const TEMPLATE_TOKENS: u64 = 4_096;
 
 /// Whether `usage.prompt_tokens` could be this prompt's: no tokenizer makes more than two
 /// tokens of a byte (the learned bytes per token stop at 0.5), and token ids are counted
-/// exactly; a chat template adds some on top.
-fn plausible_usage(estimated: u64, prompt_bytes: u64, prompt_tokens: u64) -> bool {
+/// exactly; a chat template adds some on top. No more of them can be cached than there are.
+fn plausible_usage(
+    estimated: u64,
+    prompt_bytes: u64,
+    prompt_tokens: u64,
+    cached_tokens: Option<u64>,
+) -> bool {
     let most = match prompt_bytes {
         0 => estimated,
         b => b.saturating_mul(2),
     };
     prompt_tokens <= most.saturating_add(TEMPLATE_TOKENS)
+        && cached_tokens.is_none_or(|c| c <= prompt_tokens)
 }
 
 #[cfg(test)]
@@ -1436,10 +1442,20 @@ mod tests {
         let est = r.estimator.read(&s, slot).unwrap();
         assert_eq!(est.total, 1);
         assert_eq!(r.estimator.bytes_per_token(&s, "m").unwrap(), before);
-        assert!(plausible_usage(10_000, 40_000, 84_096));
-        assert!(!plausible_usage(10_000, 40_000, 84_097));
-        assert!(plausible_usage(10_000, 0, 14_096));
-        assert!(!plausible_usage(10_000, 0, 14_097));
+        assert!(plausible_usage(10_000, 40_000, 84_096, None));
+        assert!(!plausible_usage(10_000, 40_000, 84_097, None));
+        assert!(plausible_usage(10_000, 0, 14_096, Some(14_096)));
+        assert!(!plausible_usage(10_000, 0, 14_097, None));
+        // More cached than the prompt has (a broken server): nothing to learn from.
+        let mut routed = r.route(&s, &t.endpoints, &chain, 10_000, 4_000).unwrap();
+        r.first_byte(&s, &mut routed, 6_000).unwrap();
+        let check = r
+            .observe_usage(&s, &mut routed, ("m", 40_000), 20_000, Some(20_001))
+            .unwrap();
+        assert_eq!(check, CacheCheck::NotPredicted);
+        r.finish(&s, &mut routed, Outcome::Done).unwrap();
+        assert_eq!(r.estimator.bytes_per_token(&s, "m").unwrap(), before);
+        assert!(!plausible_usage(10_000, 40_000, 10_000, Some(10_001)));
     }
 
     /// A store whose learned-estimate keys cannot be written.
