@@ -469,11 +469,23 @@ impl Config {
         } else {
             serde_json::from_slice(bytes).map_err(|e| serde_field_error(bytes, &e))?
         };
+        cfg.canonical_addresses();
         cfg.validate()?;
         if let Some(p) = cfg.peers.as_mut() {
             p.resolve_token(env)?;
         }
         Ok(cfg)
+    }
+
+    /// Static addresses as Envoy writes `upstream.address` (IPv6 lowercase, zeros compressed:
+    /// `[FE80:0::1]:80` is `[fe80::1]:80`), so that an answer is known for the endpoint's.
+    /// What is no address is left for `validate` to name.
+    fn canonical_addresses(&mut self) {
+        for e in &mut self.endpoints {
+            if let Ok(a) = e.address.parse::<std::net::SocketAddr>() {
+                e.address = a.to_string();
+            }
+        }
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -783,6 +795,14 @@ mod tests {
 
     fn with_endpoints(extra: &str) -> String {
         format!(r#"{{"endpoints":[{{"address":"127.0.0.1:8001"}}]{extra}}}"#)
+    }
+
+    #[test]
+    fn static_addresses_are_written_as_envoy_writes_them() {
+        let json = r#"{"endpoints":[{"address":"[FE80:0:0::1]:8000"},{"address":"10.0.0.1:80"}]}"#;
+        let c = Config::from_json(json.as_bytes()).unwrap();
+        let addresses: Vec<&str> = c.endpoints.iter().map(|e| e.address.as_str()).collect();
+        assert_eq!(addresses, ["[fe80::1]:8000", "10.0.0.1:80"]);
     }
 
     #[test]
