@@ -428,11 +428,16 @@ impl Root {
             _ => call_status(h),
         };
         let ok = status == 200;
+        // An answer to a call made before a reload is read by the old configuration (its
+        // model cluster, its limits): the table is the new one's now.
+        let stale = matches!(call, Call::Metrics(_) | Call::Discovery) && self.superseded(h);
         match call {
             Call::Metrics(address) => {
                 self.polling.remove(&address);
                 self.round.remove(&address);
-                self.metrics_answered(h, &address, ok, status, body);
+                if !stale {
+                    self.metrics_answered(h, &address, ok, status, body);
+                }
             }
             Call::Peer(target) => {
                 let body = match ok {
@@ -450,6 +455,7 @@ impl Root {
                     self.peers.members_answered(h, p, status, body.as_deref());
                 }
             }
+            Call::Discovery if stale => {}
             Call::Discovery => match self.discovery_answer(h, status, body) {
                 Ok(found) => self.discovered(h, found),
                 Err(why) => self.discovery_failed(h, &why),
@@ -457,11 +463,16 @@ impl Root {
         }
     }
 
-    fn hold_lease<H: Host>(&self, h: &H, now: u64) -> bool {
-        let newer = match h.get(&self.vm.keys.config) {
+    /// A newer configuration exists (its roots poll now).
+    fn superseded<H: Host>(&self, h: &H) -> bool {
+        match h.get(&self.vm.keys.config) {
             Ok((Some(v), _)) => read_u64(&v, 8) > self.generation,
             _ => false,
-        };
+        }
+    }
+
+    fn hold_lease<H: Host>(&self, h: &H, now: u64) -> bool {
+        let newer = self.superseded(h);
         // 1-3 s: the tick period is at most a second.
         let ttl = (3 * self.tick_period_ms()).clamp(1_000, LEASE_TTL_MAX_MS);
         let Ok((v, cas)) = h.get(&self.vm.keys.lease) else {

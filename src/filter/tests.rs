@@ -2503,3 +2503,30 @@ fn a_prompt_with_an_image_teaches_bytes_per_token_nothing() {
     }
     assert!(bpt(&h) < 3.0, "{} (prior {prior})", bpt(&h));
 }
+
+/// A discovery answer that reaches a root after a reload gave the table to a newer
+/// configuration is the old one's (its model cluster): it leaves the new table alone.
+#[test]
+fn an_answer_to_a_call_made_before_a_reload_leaves_the_new_table_alone() {
+    let h = FakeHost::new();
+    let new = DISCOVERY.replace(r#""modelCluster":"models""#, r#""modelCluster":"models2""#);
+    let mut old_root = configured(&h, DISCOVERY, 1);
+    old_root.on_tick(&h);
+    let pending = h.take_dispatched();
+    let mut new_root = configured(&h, &new, 2);
+    h.now.set(h.now.get() + 200);
+    new_root.on_tick(&h);
+    let calls = h.take_dispatched();
+    let host = |ip: &str| serde_json::json!({"address": {"socket_address": {"address": ip, "port_value": 80}}});
+    let answer = serde_json::json!({"cluster_statuses": [
+        {"name": "models", "host_statuses": [host("10.0.0.1")]},
+        {"name": "models2", "host_statuses": [host("10.9.0.1")]},
+    ]})
+    .to_string();
+    h.set_call_answer(Some(200), answer.as_bytes());
+    new_root.on_call_response(&h, calls[0].token, 4, answer.len());
+    old_root.on_call_response(&h, pending[0].token, 4, answer.len());
+    let t = new_root.vm().table(&h);
+    let addresses: Vec<&str> = t.endpoints.iter().map(|e| e.address.as_str()).collect();
+    assert_eq!(addresses, ["10.9.0.1:80"]);
+}
