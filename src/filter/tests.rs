@@ -2530,3 +2530,27 @@ fn an_answer_to_a_call_made_before_a_reload_leaves_the_new_table_alone() {
     let addresses: Vec<&str> = t.endpoints.iter().map(|e| e.address.as_str()).collect();
     assert_eq!(addresses, ["10.9.0.1:80"]);
 }
+
+/// After a reload that changes the static list, the new list sits in the slots one worker
+/// gave it: a worker configured after it sizes each endpoint's index by those slots, not by
+/// the list's order.
+#[test]
+fn a_reload_sizes_each_index_by_its_endpoints_slot() {
+    let h = FakeHost::new();
+    let ep = |p: u16, kv: u64| format!(r#"{{"address":"127.0.0.1:{p}","kvCapacityTokens":{kv}}}"#);
+    let list = |eps: [String; 3]| format!(r#"{{"endpoints":[{}]}}"#, eps.join(","));
+    let one = list([ep(8001, 64_000), ep(8002, 128_000), ep(8003, 192_000)]);
+    configured(&h, &one, 1).on_tick(&h);
+    // 8002 leaves, 8004 (a larger GPU) joins, in the slot 8002 left.
+    let two = list([ep(8001, 64_000), ep(8003, 192_000), ep(8004, 256_000)]);
+    let adopter = configured(&h, &two, 2);
+    let _follower = configured(&h, &two, 3);
+    let vm = adopter.vm();
+    let router = vm.router.borrow();
+    let t = vm.table(&h);
+    assert_eq!(t.get("127.0.0.1:8004").map(|e| e.slot), Some(1));
+    for e in &t.endpoints {
+        let index = router.index.matched(&h, e.slot, &[]).unwrap().capacity;
+        assert_eq!(index, e.capacity_blocks, "{} in slot {}", e.address, e.slot);
+    }
+}

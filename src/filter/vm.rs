@@ -69,9 +69,8 @@ impl Vm {
         let static_table = Rc::new(EndpointTable::from_config(&cfg));
         let mut router = Router::new(cfg.clone());
         router.set_seq(id);
-        let _ = router.sync_capacities(h, &static_table.endpoints);
         let stats = Stats::define(h, cfg.stats_flush_ms);
-        Vm {
+        let vm = Vm {
             keys: Keys::new(&cfg.namespace),
             recent: RecentReads::new(cfg.shared_read_max_age_ms, RECENT_READS_BYTES),
             cfg,
@@ -84,7 +83,13 @@ impl Vm {
             }),
             static_table,
             errors: Cell::new(0),
+        };
+        // By the table in shared data, whose slots may not be the static list's order: after
+        // a reload one worker adopts the new list into free slots, and the others follow it.
+        if let Ok(router) = vm.router.try_borrow() {
+            let _ = router.sync_capacities(h, &vm.table(h).endpoints);
         }
+        vm
     }
 
     /// The endpoint table as last written to shared data (the static list until then).
