@@ -259,20 +259,26 @@ impl Root {
         self.vm.stats.flush_all(h);
     }
 
-    /// The tick period: the shortest configured interval, else one second.
+    /// The tick period: the largest that divides a second and every configured interval, so
+    /// that each comes round on time (at a one-second tick a 1.5 s interval was 2 s, and its
+    /// samples went stale before the next poll). Intervals with no such divisor of 100 ms or
+    /// more tick at 100 ms (or the shortest interval, if shorter), and `due` keeps their
+    /// average on time.
     pub fn tick_period_ms(&self) -> u64 {
         let c = &self.vm.cfg;
-        let mut p = 1_000;
-        if let Some(m) = &c.metrics {
-            p = p.min(m.interval_ms);
+        let intervals = [
+            c.metrics.as_ref().map(|m| m.interval_ms),
+            c.discovery.as_ref().map(|d| d.interval_ms),
+            c.peers.as_ref().map(|x| x.interval_ms),
+        ];
+        let intervals = intervals.into_iter().flatten().map(|i| i.max(1));
+        let shortest = intervals.clone().min().unwrap_or(1_000);
+        let p = intervals.fold(1_000, gcd);
+        match p >= 100 {
+            true => p,
+            false => shortest.min(100),
         }
-        if let Some(d) = &c.discovery {
-            p = p.min(d.interval_ms);
-        }
-        if let Some(x) = &c.peers {
-            p = p.min(x.interval_ms);
-        }
-        p.max(10)
+        .max(10)
     }
 
     pub fn on_tick<H: Host>(&mut self, h: &H) {
@@ -895,8 +901,22 @@ pub(super) fn due(next: &mut u64, now: u64, interval: u64) -> bool {
     if now < *next && *next <= now.saturating_add(interval) {
         return false;
     }
-    *next = now.saturating_add(interval);
+    // The next an interval after this one was due, so a tick that lands late does not
+    // stretch the period; from now when behind by more than an interval (the first time, a
+    // stall) or when the clock stepped back (`next` past `now + interval`).
+    let on_time = next.saturating_add(interval);
+    *next = match *next <= now && on_time > now {
+        true => on_time,
+        false => now.saturating_add(interval),
+    };
     true
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
 }
 
 /// The generation of the configuration with this hash: the stored one when it is the newest,

@@ -2554,3 +2554,59 @@ fn a_reload_sizes_each_index_by_its_endpoints_slot() {
         assert_eq!(index, e.capacity_blocks, "{} in slot {}", e.address, e.slot);
     }
 }
+
+/// A metrics interval that is no whole number of seconds comes round on time: its samples
+/// stay fresh (`staleAfterMs` at its least, interval + timeout) up to the next poll.
+#[test]
+fn a_poll_interval_off_the_second_keeps_its_samples_fresh() {
+    let h = FakeHost::new();
+    let m =
+        r#","metrics":{"cluster":"models","intervalMs":1500,"timeoutMs":300,"staleAfterMs":1800}"#;
+    let mut r = root(&h, m, 1);
+    let vm = r.vm();
+    let period = r.tick_period_ms();
+    assert_eq!(period, 500);
+    let mut polls = 0;
+    for tick in 0..40 {
+        h.now.set(h.now.get() + period);
+        r.on_tick(&h);
+        for c in h.take_dispatched() {
+            polls += 1;
+            let text = "vllm:num_requests_waiting 3\n";
+            h.set_call_answer(Some(200), text.as_bytes());
+            r.on_call_response(&h, c.token, 2, text.len());
+        }
+        // What a request sees just before the next tick.
+        let now = h.now.get() + period - 1;
+        let t = vm.table(&h);
+        assert!(
+            t.endpoints[0].scraped(now, 1_800).is_some(),
+            "stale after tick {tick}"
+        );
+    }
+    // 20 s at 1.5 s: 13 or 14 rounds of 3 polls (at a one-second tick it was 10).
+    assert!((39..=42).contains(&polls), "{polls} polls");
+}
+
+/// Intervals with no common divisor of 100 ms tick at 100 ms, and each keeps its average.
+#[test]
+fn an_odd_interval_keeps_its_average_period() {
+    let h = FakeHost::new();
+    let m =
+        r#","metrics":{"cluster":"models","intervalMs":1001,"timeoutMs":300,"staleAfterMs":1400}"#;
+    let mut r = root(&h, m, 1);
+    assert_eq!(r.tick_period_ms(), 100);
+    let mut rounds = 0;
+    for _ in 0..1_000 {
+        h.now.set(h.now.get() + 100);
+        r.on_tick(&h);
+        let calls = h.take_dispatched();
+        rounds += usize::from(!calls.is_empty());
+        for c in calls {
+            h.set_call_answer(Some(200), b"");
+            r.on_call_response(&h, c.token, 2, 0);
+        }
+    }
+    // 100 s at 1.001 s: 99 or 100 rounds (one from now at the first tick).
+    assert!((99..=100).contains(&rounds), "{rounds} rounds");
+}
