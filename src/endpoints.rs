@@ -176,6 +176,8 @@ impl ServedWork {
 pub struct Changes {
     pub removed: Vec<u16>,
     pub added: Vec<u16>,
+    /// Hosts found but not in the table after: it was full.
+    pub dropped: usize,
 }
 
 impl EndpointTable {
@@ -213,7 +215,10 @@ impl EndpointTable {
     }
 
     /// Makes the table match a discovered `(address, healthy)` list: known endpoints keep
-    /// their slot, new ones take the lowest free slot (up to `max`), missing ones go.
+    /// their slot, new ones take the lowest free slot (up to `max`), missing ones go. With
+    /// more hosts than `max`, a healthy newcomer takes the slot of an endpoint that is not
+    /// (a rollout's surge: the old pods draining must not keep the new ones out); what is
+    /// left out is counted in `dropped`.
     pub fn reconcile(
         &mut self,
         found: &[(String, bool)],
@@ -231,34 +236,55 @@ impl EndpointTable {
             }
             keep
         });
-        let mut at: BTreeMap<String, usize> = self
-            .endpoints
-            .iter()
-            .enumerate()
-            .map(|(i, e)| (e.address.clone(), i))
-            .collect();
+        let mut at = self.positions();
         let mut used: BTreeSet<u16> = self.endpoints.iter().map(|e| e.slot).collect();
-        // New endpoints take the lowest free slots in turn, so the search only moves up.
-        let mut next_free: u16 = 0;
+        // Named twice, a host has its later entry's health (as a kept one has).
+        let mut newcomers: Vec<(&String, bool)> = Vec::new();
+        let mut listed: BTreeMap<&str, usize> = BTreeMap::new();
         for (address, healthy) in found {
             if let Some(e) = at.get(address).and_then(|&i| self.endpoints.get_mut(i)) {
                 e.healthy = *healthy;
-                continue;
+            } else if let Some(n) = listed
+                .get(address.as_str())
+                .and_then(|&i| newcomers.get_mut(i))
+            {
+                n.1 = *healthy;
+            } else {
+                listed.insert(address, newcomers.len());
+                newcomers.push((address, *healthy));
             }
-            if self.endpoints.len() >= max {
-                continue;
-            }
-            while used.contains(&next_free) && next_free < u16::MAX {
-                next_free += 1;
-            }
-            let slot = next_free;
-            used.insert(slot);
+        }
+        if self.endpoints.len() + newcomers.len() > max {
+            // Not all fit: healthy newcomers first, as they may take an unhealthy one's slot.
+            newcomers.sort_by_key(|(_, healthy)| !healthy);
+        }
+        // New endpoints take the lowest free slots in turn, so the search only moves up.
+        let mut next_free: u16 = 0;
+        for (address, healthy) in newcomers {
+            let slot = if self.endpoints.len() < max {
+                while used.contains(&next_free) && next_free < u16::MAX {
+                    next_free += 1;
+                }
+                used.insert(next_free);
+                next_free
+            } else {
+                let unhealthy = self.endpoints.iter().position(|e| !e.healthy);
+                let Some(i) = unhealthy.filter(|_| healthy) else {
+                    changes.dropped += 1;
+                    continue;
+                };
+                let gone = self.endpoints.remove(i);
+                at = self.positions();
+                changes.removed.push(gone.slot);
+                changes.dropped += 1;
+                gone.slot
+            };
             at.insert(address.clone(), self.endpoints.len());
             changes.added.push(slot);
             self.endpoints.push(Endpoint {
                 address: address.clone(),
                 slot,
-                healthy: *healthy,
+                healthy,
                 capacity_blocks,
                 waiting: None,
                 kv_usage: None,
@@ -268,6 +294,12 @@ impl EndpointTable {
             });
         }
         changes
+    }
+
+    /// Each endpoint's place in `endpoints`, by address.
+    fn positions(&self) -> BTreeMap<String, usize> {
+        let places = self.endpoints.iter().enumerate();
+        places.map(|(i, e)| (e.address.clone(), i)).collect()
     }
 
     pub fn to_json(&self) -> Vec<u8> {
@@ -313,6 +345,37 @@ mod tests {
         );
         assert_eq!(t.endpoints.len(), 2);
         assert_eq!(c.removed.len(), 2);
+    }
+
+    #[test]
+    fn a_full_table_gives_an_unhealthy_endpoints_slot_to_a_healthy_newcomer() {
+        let mut t = EndpointTable::default();
+        t.reconcile(&found(&[("old-a:80", true), ("old-b:80", true)]), 2, 100);
+        // A rollout's surge: both old pods draining, two new ones ready, one not yet.
+        let surge = found(&[
+            ("old-a:80", false),
+            ("new-c:80", false),
+            ("old-b:80", false),
+            ("new-d:80", true),
+            ("new-e:80", true),
+        ]);
+        let c = t.reconcile(&surge, 2, 100);
+        let mut held: Vec<(&str, u16, bool)> = t
+            .endpoints
+            .iter()
+            .map(|e| (e.address.as_str(), e.slot, e.healthy))
+            .collect();
+        held.sort();
+        assert_eq!(held, [("new-d:80", 0, true), ("new-e:80", 1, true)]);
+        // Left out: the two old pods and the new one not ready.
+        assert_eq!((c.removed, c.added, c.dropped), (vec![0, 1], vec![0, 1], 3));
+        // Full of healthy endpoints: a newcomer is left out, healthy or not, and counted.
+        let c = t.reconcile(
+            &found(&[("new-d:80", true), ("new-e:80", true), ("f:80", true)]),
+            2,
+            100,
+        );
+        assert_eq!((c.removed.len(), c.added.len(), c.dropped), (0, 0, 1));
     }
 
     #[test]

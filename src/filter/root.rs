@@ -153,6 +153,8 @@ pub struct Root {
     discovery_failures: u64,
     /// Rounds of metrics polls that could not be sent, in a row (the same).
     metrics_dispatch_failures: u64,
+    /// Discovery rounds in a row that found more hosts than the table holds (the same).
+    dropping_rounds: u64,
 }
 
 impl Root {
@@ -188,6 +190,7 @@ impl Root {
             peers: PeerPoller::new(&vm.cfg.namespace),
             discovery_failures: 0,
             metrics_dispatch_failures: 0,
+            dropping_rounds: 0,
             generation,
             vm,
             calls: HashMap::new(),
@@ -786,7 +789,12 @@ impl Root {
                 self.endpoint_reset(h, address, e.slot);
             }
         }
-        let Changes { removed, added } = changes;
+        let Changes {
+            removed,
+            added,
+            dropped,
+        } = changes;
+        self.hosts_dropped(h, found.len(), dropped);
         if removed.is_empty() && added.is_empty() {
             return;
         }
@@ -809,6 +817,30 @@ impl Root {
             if let Some(id) = self.gauges.get(&endpoint_gauge_name(slot)) {
                 let _ = h.record_metric(*id, 0);
             }
+        }
+    }
+
+    /// Hosts discovery found that the table had no slot for: counted every round, warned of
+    /// at the first round and at 2, 4, 8… in a row (they get no traffic from the filter).
+    fn hosts_dropped<H: Host>(&mut self, h: &H, found: usize, dropped: usize) {
+        if dropped == 0 {
+            self.dropping_rounds = 0;
+            return;
+        }
+        self.vm
+            .stats
+            .add(h, Counter::DiscoveryHostsDropped, dropped as u64);
+        self.dropping_rounds = self.dropping_rounds.saturating_add(1);
+        if self.dropping_rounds.is_power_of_two() {
+            let max = self.vm.cfg.max_endpoints;
+            h.log(
+                Level::Warn,
+                &format!(
+                    "tokenaware: discovery found {found} hosts, {dropped} left out: maxEndpoints \
+                     is {max} ({} rounds in a row)",
+                    self.dropping_rounds
+                ),
+            );
         }
     }
 

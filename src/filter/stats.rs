@@ -101,6 +101,8 @@ pub enum Counter {
     PollsFailed,
     DiscoveryOk,
     DiscoveryFailed,
+    /// Hosts discovery found and the table had no slot for (`maxEndpoints`).
+    DiscoveryHostsDropped,
     UsagePromptTokens,
     UsageCachedTokens,
     /// A ledger or index update at first byte / stream end failed.
@@ -145,7 +147,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 28] = [
+    pub const ALL: [Counter; 29] = [
         Counter::Routed,
         Counter::Released,
         Counter::FailedEarly,
@@ -156,6 +158,7 @@ impl Counter {
         Counter::PollsFailed,
         Counter::DiscoveryOk,
         Counter::DiscoveryFailed,
+        Counter::DiscoveryHostsDropped,
         Counter::UsagePromptTokens,
         Counter::UsageCachedTokens,
         Counter::ReleaseErrors,
@@ -188,6 +191,7 @@ impl Counter {
             Counter::PollsFailed => "tokenaware_polls_failed",
             Counter::DiscoveryOk => "tokenaware_discovery_ok",
             Counter::DiscoveryFailed => "tokenaware_discovery_failed",
+            Counter::DiscoveryHostsDropped => "tokenaware_discovery_hosts_dropped",
             Counter::UsagePromptTokens => "tokenaware_usage_prompt_tokens",
             Counter::UsageCachedTokens => "tokenaware_usage_cached_tokens",
             Counter::ReleaseErrors => "tokenaware_release_errors",

@@ -2610,3 +2610,43 @@ fn an_odd_interval_keeps_its_average_period() {
     // 100 s at 1.001 s: 99 or 100 rounds (one from now at the first tick).
     assert!((99..=100).contains(&rounds), "{rounds} rounds");
 }
+
+/// A rollout's surge past `maxEndpoints`: the draining old pods give their slots to the new
+/// ready one, and hosts left out for want of a slot are counted and named in the log.
+#[test]
+fn discovery_past_max_endpoints_makes_room_for_the_healthy_and_says_what_it_left_out() {
+    let h = FakeHost::new();
+    let cfg = DISCOVERY.replace(
+        r#""statsFlushMs":0"#,
+        r#""statsFlushMs":0,"maxEndpoints":2"#,
+    );
+    let mut r = configured(&h, &cfg, 1);
+    let vm = r.vm();
+    discover(&h, &mut r, &[80, 81]);
+    let host = |port: u16, hs: serde_json::Value| serde_json::json!({"address":{"socket_address":{"address":"10.0.0.1","port_value":port}},"health_status":hs});
+    let draining = serde_json::json!({"pending_dynamic_removal": true});
+    let ready = serde_json::json!({"eds_health_status": "HEALTHY"});
+    let body = serde_json::json!({"cluster_statuses":[{"name":"models","host_statuses":[
+        host(80, draining.clone()), host(81, draining), host(82, ready.clone()), host(83, ready),
+    ]}]})
+    .to_string();
+    h.now.set(h.now.get() + 1_000);
+    r.on_tick(&h);
+    let c = h.take_dispatched();
+    h.set_call_answer(Some(200), body.as_bytes());
+    r.on_call_response(&h, c[0].token, 4, body.len());
+    let t = vm.table(&h);
+    let mut seen: Vec<(&str, bool)> = t
+        .endpoints
+        .iter()
+        .map(|e| (e.address.as_str(), e.healthy))
+        .collect();
+    seen.sort();
+    assert_eq!(seen, [("10.0.0.1:82", true), ("10.0.0.1:83", true)]);
+    assert_eq!(h.metric("tokenaware_discovery_hosts_dropped"), 2);
+    let w = warnings_with(&h, "discovery found 4 hosts, 2 left out: maxEndpoints is 2");
+    assert_eq!(w.len(), 1, "{w:?}");
+    let (mut f, _) = send(&h, &vm, CHAT, &chat("s", "q"));
+    assert!(h.header_values(DESTINATION)[0].contains("10.0.0.1:8"));
+    respond(&h, &mut f, b"{}");
+}
