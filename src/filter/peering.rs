@@ -200,17 +200,22 @@ impl PeerPoller {
             self.refused(h, &t);
         }
         let Some(batch) = body.as_deref().and_then(PlacementBatch::from_json) else {
-            self.failed(h, &t, status);
+            let why = match status {
+                0 => "no answer".to_string(),
+                200 => "an answer that is not one".to_string(),
+                s => format!("status {s}"),
+            };
+            self.failed(h, &t, status, &why);
             return vm.stats.inc(h, Counter::PeerPollsFailed);
         };
-        self.failing.remove(&t.name);
-        vm.stats.inc(h, Counter::PeerPollsOk);
+        let asked = self.cursors.get(h, &t.name).unwrap_or_default();
         let Ok(r) = vm.router.try_borrow() else {
             return;
         };
         let own = r.placements.as_ref().and_then(|l| l.end(h).ok());
+        let own = own.map(|c| c.ring).filter(|&ring| ring != 0);
         let now = h.now_ms().unwrap_or(0);
-        if batch.ring != 0 && own.is_some_and(|c| c.ring == batch.ring) {
+        if batch.ring != 0 && own == Some(batch.ring) && [0, batch.ring].contains(&asked.ring) {
             // This process, through the cluster of all replicas: nothing to learn. Asked
             // again later all the same: a poll Envoy could not pin to its host (one it
             // held unhealthy for a moment) was answered by another, this one among them.
@@ -218,6 +223,19 @@ impl PeerPoller {
                 .insert(t.name, now.saturating_add(SELF_RECHECK_MS));
             return;
         }
+        let another = |ring| self.ring_of_another(h, vm, &t, ring);
+        let known = asked.ring != 0 && batch.ring != 0;
+        if own == Some(batch.ring) || (known && batch.ring != asked.ring && another(batch.ring)) {
+            // Envoy could not pin the poll to `t` (it held it unhealthy a moment) and another
+            // replica answered: its placements are its own cursor's to learn, and taken as
+            // `t`'s they would replay its whole ring here and lose `t`'s place in its own.
+            // (At the first answer `t`'s ring is not known yet; a restart of `t` is a new
+            // ring that is no other replica's.)
+            self.failed(h, &t, status, "answered by another replica");
+            return vm.stats.inc(h, Counter::PeerPollsFailed);
+        }
+        self.failing.remove(&t.name);
+        vm.stats.inc(h, Counter::PeerPollsOk);
         match r.learn_placements(h, &vm.table(h).endpoints, &batch, now) {
             Ok(n) => vm.stats.add(h, Counter::PeerPlacementsLearned, n as u64),
             Err(_) => return vm.stats.inc(h, Counter::PeerErrors),
@@ -226,6 +244,21 @@ impl PeerPoller {
         if self.cursors.set(h, &t.name, next).is_err() {
             vm.stats.inc(h, Counter::PeerErrors);
         }
+    }
+
+    /// Whether `ring` is where another replica than `t` was last asked from.
+    fn ring_of_another<H: Host>(&self, h: &H, vm: &Vm, t: &PeerTarget, ring: u64) -> bool {
+        let Some(p) = vm.cfg.peers.as_ref() else {
+            return false;
+        };
+        let names = match p.cluster {
+            None => &p.clusters,
+            Some(_) => &self.members,
+        };
+        names
+            .iter()
+            .filter(|n| **n != t.name)
+            .any(|n| self.cursors.get(h, n).is_ok_and(|c| c.ring == ring))
     }
 
     /// Where to ask `t` from next. An answer that stops at the same unwritten entry twice in
@@ -253,17 +286,12 @@ impl PeerPoller {
     /// A poll of `t` that brought no placements: say so in the log the first time, then at
     /// every power of two in a row (a replica starting, or gone for good, is a line or two,
     /// not one each poll). A refusal has its own line (`refused`).
-    fn failed<H: Host>(&mut self, h: &H, t: &PeerTarget, status: u32) {
+    fn failed<H: Host>(&mut self, h: &H, t: &PeerTarget, status: u32, why: &str) {
         let n = self.failing.entry(t.name.clone()).or_insert(0);
         *n = n.saturating_add(1);
         if status == 403 || !n.is_power_of_two() {
             return;
         }
-        let why = match status {
-            0 => "no answer".to_string(),
-            200 => "an answer that is not one".to_string(),
-            s => format!("status {s}"),
-        };
         h.log(
             Level::Warn,
             &format!(

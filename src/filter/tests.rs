@@ -2650,3 +2650,56 @@ fn discovery_past_max_endpoints_makes_room_for_the_healthy_and_says_what_it_left
     assert!(h.header_values(DESTINATION)[0].contains("10.0.0.1:8"));
     respond(&h, &mut f, b"{}");
 }
+
+/// A poll Envoy could not pin to its replica (held unhealthy a moment) is answered by
+/// another: that answer is not taken as the replica's, so its cursor keeps its place and its
+/// next answer brings only what is new.
+#[test]
+fn a_peer_poll_answered_by_another_replica_keeps_the_replicas_place() {
+    let peers = one_cluster_peers(r#""intervalMs":100"#);
+    let (ha, hb, hc) = (FakeHost::new(), FakeHost::new(), FakeHost::new());
+    let mut ra = root(&ha, &peers, 1);
+    // Processes of their own: rings of their own.
+    let (b, c) = (root(&hb, &peers, 2).vm(), root(&hc, &peers, 3).vm());
+    let sys = |who: &str| format!("You are the assistant of tenant {who}. ").repeat(100);
+    for i in 0..3 {
+        let (mut f, _) = send(&hb, &b, CHAT, &chat(&sys(&format!("b{i}")), "q"));
+        respond(&hb, &mut f, b"{}");
+    }
+    let (mut f, _) = send(&hc, &c, CHAT, &chat(&sys("c"), "q"));
+    respond(&hc, &mut f, b"{}");
+    // A's replicas: B (10.1.0.2) and C (10.1.0.3).
+    ra.on_tick(&ha);
+    let calls = ha.take_dispatched();
+    let body = gateways_answer(&[2, 3]);
+    ha.set_call_answer(Some(200), body.as_bytes());
+    ra.on_call_response(&ha, calls[0].token, 4, body.len());
+    let from_b = |p: &str| ask_peer_at(&hb, &b, p, Some(PEER_SECRET)).1;
+    let from_c = |p: &str| ask_peer_at(&hc, &c, p, Some(PEER_SECRET)).1;
+    let mut poll = |for_b: &dyn Fn(&str) -> Vec<u8>| {
+        ha.now.set(ha.now.get() + 200);
+        ra.on_tick(&ha);
+        for call in ha.take_dispatched() {
+            let to_b = header_of(&call, DESTINATION) == "10.1.0.2:10000";
+            let answer = if to_b {
+                for_b(path_of(&call))
+            } else {
+                from_c(path_of(&call))
+            };
+            ha.set_call_answer(Some(200), &answer);
+            ra.on_call_response(&ha, call.token, 3, answer.len());
+        }
+    };
+    poll(&from_b);
+    assert_eq!(ha.metric("tokenaware_peer_placements_learned"), 4);
+    // The poll pinned to B is served by C, then B is back.
+    poll(&from_c);
+    assert_eq!(ha.metric("tokenaware_peer_polls_failed"), 1);
+    poll(&from_b);
+    assert_eq!(
+        ha.metric("tokenaware_peer_placements_learned"),
+        4,
+        "B's ring replayed"
+    );
+    assert_eq!(warnings_with(&ha, "answered by another replica").len(), 1);
+}
