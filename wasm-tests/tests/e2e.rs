@@ -89,6 +89,52 @@ async fn small_tau_spills_concurrent_load() {
     gw.debug_until("released", ledger_is_zero).await;
 }
 
+/// A streamed `/v1/responses` answer opens, as vLLM's does, with `response.created` and
+/// `response.in_progress` before any prefill: learned from its first token (not its first
+/// byte), the prefill rate comes out near the fleet's, not at the estimate's cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_responses_stream_is_timed_from_its_first_token() {
+    if !have_envoy() {
+        return;
+    }
+    // At the fleet's 20,480 tokens/s, a 5,000-token prompt prefills in about 0.25 s.
+    let fleet = FleetConfig::scaled(2, 1.0);
+    let truth = fleet.timing.prefill_rate;
+    let gw = start(fleet, |eps| {
+        plugin_config(eps, r#""peakPrefillThroughput":"auto""#)
+    })
+    .await;
+    // A dozen samples an endpoint: past the eight before an estimate counts as learned.
+    for i in 0..24 {
+        let body = json!({"model": MODEL, "stream": true, "max_output_tokens": 2,
+            "input": [{"role": "user", "content": system(100 + i, 20_000)}]});
+        let a = gw.post("/v1/responses", body.to_string()).await;
+        assert_eq!(a.status, 200);
+        assert!(a.body.starts_with("event: response.created"), "{}", a.body);
+        assert!(a.body.contains("event: response.completed"), "{}", a.body);
+    }
+    let d = gw.debug_until("released", ledger_is_zero).await;
+    let rates: Vec<f64> = d["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["estimate"]["learned"] == true)
+        .filter_map(|e| e["estimate"]["prefillTokensPerS"].as_f64())
+        .collect();
+    assert!(!rates.is_empty(), "no endpoint learned: {d}");
+    // Timed from the opening events, every sample read as a whole prefill in a millisecond
+    // or two, and the rate ran to its cap (16 times the default 15,928).
+    assert!(
+        rates.iter().all(|&r| r < 2.0 * truth),
+        "learned {rates:?} against the fleet's {truth}"
+    );
+    assert!(gw.stat("tokenaware_usage_prompt_tokens") > 24 * 4_000);
+    assert_eq!(
+        gw.stat("tokenaware_requests_routed"),
+        gw.stat("tokenaware_requests_released")
+    );
+}
+
 /// One raw HTTP/1.1 request (so header names keep their case and can repeat).
 fn raw(port: u16, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> (u16, String) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();

@@ -17,6 +17,8 @@
 //!
 //! Each endpoint serves `POST /v1/completions`, `POST /v1/chat/completions` (stream or not;
 //! `usage` with `prompt_tokens_details.cached_tokens` in the final JSON / last chunk),
+//! `POST /v1/responses` (streamed as vLLM does: `response.created` and `response.in_progress`
+//! at once, an event a token, `usage` in `response.completed`),
 //! `GET /metrics`, `GET /health`, `GET /v1/models`, and the test controls
 //! `POST /fleet/metrics-override` (body replaces `/metrics` output; empty body clears),
 //! `POST /fleet/metrics-fault` (`garbage`, `500`, `slow` (answers after 10 s) or empty: how

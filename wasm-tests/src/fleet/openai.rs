@@ -11,6 +11,9 @@ pub const MAX_TOKENS_CAP: usize = 4096;
 pub enum Api {
     Completions,
     Chat,
+    /// `/v1/responses`: streamed as vLLM does, `response.created` and `response.in_progress`
+    /// at once (before any prefill), then an event per token, then `response.completed`.
+    Responses,
 }
 
 #[derive(Debug, Clone)]
@@ -38,6 +41,7 @@ pub fn parse(api: Api, body: &[u8], default_model: &str) -> Result<Parsed, Strin
     let max_tokens = obj
         .get("max_tokens")
         .or_else(|| obj.get("max_completion_tokens"))
+        .or_else(|| obj.get("max_output_tokens"))
         .and_then(Value::as_u64)
         .map_or(DEFAULT_MAX_TOKENS, |n| n as usize)
         .clamp(1, MAX_TOKENS_CAP);
@@ -59,29 +63,24 @@ pub fn parse(api: Api, body: &[u8], default_model: &str) -> Result<Parsed, Strin
             }
             _ => return Err("missing `prompt`".into()),
         },
+        Api::Responses => {
+            if let Some(s) = obj.get("instructions").and_then(Value::as_str) {
+                prompt.extend_from_slice(b"system\n");
+                prompt.extend_from_slice(s.as_bytes());
+                prompt.push(b'\n');
+            }
+            match obj.get("input") {
+                Some(Value::String(s)) => prompt.extend_from_slice(s.as_bytes()),
+                Some(Value::Array(items)) => push_messages(items, &mut prompt),
+                _ => return Err("missing `input`".into()),
+            }
+        }
         Api::Chat => {
             let msgs = obj
                 .get("messages")
                 .and_then(Value::as_array)
                 .ok_or("missing `messages`")?;
-            for m in msgs {
-                if let Some(role) = m.get("role").and_then(Value::as_str) {
-                    prompt.extend_from_slice(role.as_bytes());
-                    prompt.push(b'\n');
-                }
-                match m.get("content") {
-                    Some(Value::String(s)) => prompt.extend_from_slice(s.as_bytes()),
-                    Some(Value::Array(parts)) => {
-                        for p in parts {
-                            if let Some(t) = p.get("text").and_then(Value::as_str) {
-                                prompt.extend_from_slice(t.as_bytes());
-                            }
-                        }
-                    }
-                    _ => {}
-                }
-                prompt.push(b'\n');
-            }
+            push_messages(msgs, &mut prompt);
             if let Some(tools) = obj.get("tools") {
                 prompt.extend_from_slice(tools.to_string().as_bytes());
             }
@@ -94,6 +93,28 @@ pub fn parse(api: Api, body: &[u8], default_model: &str) -> Result<Parsed, Strin
         stream,
         max_tokens,
     })
+}
+
+/// Each message's role and content (a string, or text parts), a line each.
+fn push_messages(msgs: &[Value], prompt: &mut Vec<u8>) {
+    for m in msgs {
+        if let Some(role) = m.get("role").and_then(Value::as_str) {
+            prompt.extend_from_slice(role.as_bytes());
+            prompt.push(b'\n');
+        }
+        match m.get("content") {
+            Some(Value::String(s)) => prompt.extend_from_slice(s.as_bytes()),
+            Some(Value::Array(parts)) => {
+                for p in parts {
+                    if let Some(t) = p.get("text").and_then(Value::as_str) {
+                        prompt.extend_from_slice(t.as_bytes());
+                    }
+                }
+            }
+            _ => {}
+        }
+        prompt.push(b'\n');
+    }
 }
 
 /// Text of generated token `i` (4 bytes = one approximate token).
@@ -119,10 +140,77 @@ impl Usage {
     }
 }
 
+impl Usage {
+    /// The Responses API's form.
+    pub fn to_responses_json(self) -> Value {
+        json!({
+            "input_tokens": self.prompt_tokens,
+            "output_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "input_tokens_details": { "cached_tokens": self.cached_tokens },
+        })
+    }
+}
+
+/// A Responses API `response` object; `usage` once completed.
+fn response_object(p: &Parsed, id: &str, created: u64, text: &str, usage: Option<Usage>) -> Value {
+    let status = if usage.is_some() {
+        "completed"
+    } else {
+        "in_progress"
+    };
+    json!({
+        "id": id, "object": "response", "created_at": created, "model": p.model, "status": status,
+        "output": [{"type": "message", "role": "assistant",
+                    "content": [{"type": "output_text", "text": text}]}],
+        "usage": usage.map(Usage::to_responses_json),
+    })
+}
+
+/// An SSE event of a streamed Responses answer.
+pub fn responses_event(event_type: &str, mut data: Value) -> String {
+    if let Some(o) = data.as_object_mut() {
+        o.insert("type".into(), json!(event_type));
+    }
+    format!("event: {event_type}\ndata: {data}\n\n")
+}
+
+/// The events a streamed Responses answer opens with, before any token.
+pub fn responses_opening(p: &Parsed, id: &str, created: u64) -> String {
+    let response = response_object(p, id, created, "", None);
+    let created_event = responses_event("response.created", json!({"response": response}));
+    let in_progress = responses_event("response.in_progress", json!({"response": response}));
+    created_event + &in_progress
+}
+
+/// Token `i` of a streamed Responses answer; the last is followed by `response.completed`.
+pub fn responses_token(
+    p: &Parsed,
+    id: &str,
+    created: u64,
+    i: usize,
+    last: Option<Usage>,
+) -> String {
+    let mut out = responses_event(
+        "response.output_text.delta",
+        json!({"item_id": id, "output_index": 0, "content_index": 0, "delta": token_text(i)}),
+    );
+    if let Some(u) = last {
+        let text: String = (0..u.completion_tokens).map(token_text).collect();
+        let response = response_object(p, id, created, &text, Some(u));
+        out.push_str(&responses_event(
+            "response.completed",
+            json!({"response": response}),
+        ));
+    }
+    out
+}
+
 /// Non-streaming response body.
 pub fn full_response(p: &Parsed, id: &str, created: u64, usage: Usage) -> Value {
     let text: String = (0..usage.completion_tokens).map(token_text).collect();
     match p.api {
+        Api::Responses => response_object(p, id, created, &text, Some(usage)),
         Api::Completions => json!({
             "id": id, "object": "text_completion", "created": created, "model": p.model,
             "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": "length"}],
@@ -145,7 +233,7 @@ pub fn stream_chunk(p: &Parsed, id: &str, created: u64, i: usize, last: Option<U
         Value::Null
     };
     let mut chunk = match p.api {
-        Api::Completions => json!({
+        Api::Completions | Api::Responses => json!({
             "id": id, "object": "text_completion", "created": created, "model": p.model,
             "choices": [{"index": 0, "text": token_text(i), "logprobs": null, "finish_reason": finish}],
         }),
@@ -200,6 +288,32 @@ mod tests {
         assert_eq!(p.prompt.len(), 12);
         assert!(parse(Api::Completions, br#"{"messages":[]}"#, "m").is_err());
         assert!(parse(Api::Chat, b"not json", "m").is_err());
+    }
+
+    #[test]
+    fn a_responses_stream_opens_before_its_first_token() {
+        let body = br#"{"instructions":"S","input":[{"role":"user","content":[{"type":"input_text","text":"Q"}]}],"max_output_tokens":2,"stream":true}"#;
+        let p = parse(Api::Responses, body, "m").unwrap();
+        assert_eq!(
+            (p.prompt.as_slice(), p.max_tokens),
+            (&b"system\nS\nuser\nQ\n"[..], 2)
+        );
+        let opening = responses_opening(&p, "id", 0);
+        assert!(opening.starts_with("event: response.created\ndata: {"));
+        assert!(opening.contains("\n\nevent: response.in_progress\n"));
+        assert!(!opening.contains("output_text.delta"));
+        let u = Usage {
+            prompt_tokens: 10,
+            completion_tokens: 2,
+            cached_tokens: 4,
+        };
+        let last = responses_token(&p, "id", 0, 1, Some(u));
+        assert!(last.starts_with("event: response.output_text.delta\n"));
+        assert!(
+            last.contains(r#""input_tokens_details":{"cached_tokens":4}"#),
+            "{last}"
+        );
+        assert!(responses_token(&p, "id", 0, 0, None).ends_with("\n\n"));
     }
 
     #[test]

@@ -108,6 +108,7 @@ impl Endpoint {
         Router::new()
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat_completions))
+            .route("/v1/responses", post(responses))
             .route("/metrics", get(metrics))
             .route("/health", get(|| async { StatusCode::OK }))
             .route("/v1/models", get(models))
@@ -247,6 +248,10 @@ async fn chat_completions(State(ep): State<Arc<Endpoint>>, body: Bytes) -> Respo
     generate(ep, Api::Chat, body).await
 }
 
+async fn responses(State(ep): State<Arc<Endpoint>>, body: Bytes) -> Response {
+    generate(ep, Api::Responses, body).await
+}
+
 fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -291,6 +296,10 @@ async fn generate(ep: Arc<Endpoint>, api: Api, body: Bytes) -> Response {
     }
     // Streaming: like vLLM, headers go out at once; a chunk follows each generated token.
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(32);
+    if p.api == Api::Responses {
+        let opening = openai::responses_opening(&p, &id, created);
+        let _ = tx.try_send(Ok(Bytes::from(opening)));
+    }
     tokio::spawn(async move {
         let mut cached = 0;
         let mut i = 0;
@@ -305,8 +314,14 @@ async fn generate(ep: Arc<Endpoint>, api: Api, body: Bytes) -> Response {
                 completion_tokens: p.max_tokens,
                 cached_tokens: cached,
             });
-            let chunk = openai::stream_chunk(&p, &id, created, i, last);
-            let frame = Bytes::from(format!("data: {chunk}\n\n"));
+            let frame = match p.api {
+                Api::Responses => openai::responses_token(&p, &id, created, i, last),
+                _ => format!(
+                    "data: {}\n\n",
+                    openai::stream_chunk(&p, &id, created, i, last)
+                ),
+            };
+            let frame = Bytes::from(frame);
             // A client that goes away drops `events`, which takes the request out of the
             // scheduler (also while it is queued).
             if tx.send(Ok(frame)).await.is_err() {
@@ -314,7 +329,9 @@ async fn generate(ep: Arc<Endpoint>, api: Api, body: Bytes) -> Response {
             }
             i += 1;
         }
-        let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+        if p.api != Api::Responses {
+            let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
+        }
     });
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|item| (item, rx))
