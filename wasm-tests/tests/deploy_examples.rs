@@ -445,6 +445,11 @@ fn istio_bootstrap(filter: &Value, clusters: &Value, wasm: &Path) -> Value {
         }
         match (apply.as_str().unwrap(), op.as_str().unwrap()) {
             ("EXTENSION_CONFIG", "ADD") => {}
+            ("HTTP_FILTER", "INSERT_FIRST") => {
+                let value = value.clone();
+                assert!(value["typed_config"].is_object(), "{p}");
+                http_filters(&mut listener).insert(0, value);
+            }
             ("HTTP_FILTER", "INSERT_BEFORE") => {
                 let m = &p["match"]["listener"]["filterChain"]["filter"];
                 assert_eq!(m["name"], HCM);
@@ -811,6 +816,34 @@ fn eg_patch_policy() -> Value {
         &examples().join("envoy-gateway/patch-policy.yaml"),
         "EnvoyPatchPolicy",
     )
+}
+
+/// Installed as a WasmPlugin (UNSPECIFIED_PHASE), the filter is placed by istiod before the
+/// router ahead of any EnvoyFilter patch; filter.yaml's strip patch, applied after, must
+/// still land ahead of it (else it would remove the endpoint the filter sets).
+#[test]
+fn the_strip_patch_runs_ahead_of_a_wasmplugin_too() {
+    let (mut listener, _) = istio_generated();
+    let plugin = one_doc(&examples().join("istio/wasmplugin.yaml"), "WasmPlugin");
+    assert_eq!(plugin["spec"]["phase"], "UNSPECIFIED_PHASE");
+    let root_id = plugin["spec"]["pluginName"].as_str().unwrap();
+    let wasm = json!({"name": "istio.wasm.tokenaware", "typed_config": {
+        "@type": WASM_TYPE, "config": {"root_id": root_id}}});
+    let filters = http_filters(&mut listener);
+    let router_at = filters.len() - 1;
+    filters.insert(router_at, wasm);
+    let strip = patches(&istio_filter())
+        .iter()
+        .find(|p| p["patch"]["value"]["name"] == "tokenaware-strip-destination")
+        .unwrap()
+        .clone();
+    let filters = http_filters(&mut listener);
+    match strip["patch"]["operation"].as_str().unwrap() {
+        "INSERT_FIRST" => filters.insert(0, strip["patch"]["value"].clone()),
+        "INSERT_BEFORE" => filters.insert(filters.len() - 1, strip["patch"]["value"].clone()),
+        op => panic!("unexpected operation {op}"),
+    }
+    strips_destination_before(&listener, root_id);
 }
 
 #[test]
