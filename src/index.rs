@@ -65,6 +65,20 @@ pub struct Written {
     tag: u64,
     stamp: u64,
     previous: Option<Vec<u8>>,
+    /// Its blocks counted in `stamp`.
+    counted: Counted,
+}
+
+/// Blocks counted in an epoch, and the epoch and count they moved from, if any.
+type Counted = (u64, Option<(u64, u64)>);
+
+/// The head record an insert wrote: where, and the bytes it replaced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct HeadNote {
+    head: u64,
+    at: usize,
+    epoch: u64,
+    previous: [u8; 16],
 }
 
 /// What one insert changed; hand it back to `rollback` if the request fails before its
@@ -73,6 +87,7 @@ pub struct Written {
 pub struct InsertReceipt {
     pub slot: u16,
     pub written: Vec<Written>,
+    head: Option<HeadNote>,
 }
 
 /// An endpoint's view: matched blocks, its current epoch and capacity, what it holds.
@@ -293,7 +308,7 @@ impl AffinityIndex {
     ) -> Result<InsertReceipt, StoreError> {
         let mut receipt = InsertReceipt {
             slot,
-            written: Vec::new(),
+            ..InsertReceipt::default()
         };
         let h = self.header(s, slot)?;
         if chain.is_empty() || h.capacity == 0 {
@@ -327,7 +342,8 @@ impl AffinityIndex {
             .map(|&(j, old)| (segment(chain, j).len() as u64, old))
             .collect();
         let head = (touch.first().map(|t| t.0) == Some(0)).then_some(head);
-        let stamp = self.count_touches(s, slot, &moves, head, now_s)?;
+        let (stamp, note) = self.count_touches(s, slot, &moves, head, now_s)?;
+        receipt.head = note;
         let mut headers = vec![(
             slot,
             Header {
@@ -335,14 +351,14 @@ impl AffinityIndex {
                 ..h
             },
         )];
-        for &(j, _) in &touch {
+        for (&(j, _), &counted) in touch.iter().zip(&moves) {
             let seg = segment(chain, j);
             let t = tag(seg.first().copied().unwrap_or(0), slot);
             let written = self
                 .load_headers(s, t % self.buckets, &mut headers)
                 .and_then(|()| self.write_entry(s, t, stamp, slot, seg, now_s, &headers));
             match written {
-                Ok(Some(w)) => receipt.written.push(w),
+                Ok(Some(w)) => receipt.written.push(Written { counted, ..w }),
                 Ok(None) => {}
                 Err(e) => {
                     // The request falls back unrouted: the segments written so far go too,
@@ -356,8 +372,8 @@ impl AffinityIndex {
     }
 
     /// Moves the touched blocks' counts to the current epoch (advancing it when full) and
-    /// returns the epoch to stamp them with. `head` is the prompt's first block when its
-    /// first segment is touched.
+    /// returns the epoch to stamp them with, and the head record written. `head` is the
+    /// prompt's first block when its first segment is touched.
     fn count_touches<S: SharedStore + ?Sized>(
         &self,
         s: &S,
@@ -365,7 +381,7 @@ impl AffinityIndex {
         moves: &[(u64, Option<(u64, u64)>)],
         head: Option<u64>,
         now_s: u32,
-    ) -> Result<u64, StoreError> {
+    ) -> Result<(u64, Option<HeadNote>), StoreError> {
         let stamp = update(s, &self.header_key(slot), |old| {
             let mut b = header_buf(old);
             let epoch = read_u64(&b, 0);
@@ -377,18 +393,16 @@ impl AffinityIndex {
                 }
                 add_count(&mut b, epoch, len as i64);
             }
-            if let Some(h) = head {
-                note_head(&mut b, h, epoch, now_s);
-            }
+            let note = head.map(|h| note_head(&mut b, h, epoch, now_s));
             let cap = read_u64(&b, 8);
             if u64::from(count(&b, epoch)) >= (cap / EPOCH_SHARE).max(1) {
                 // Next epoch: its ring slot held an epoch long dead.
                 write_u64(&mut b, 0, epoch + 1);
                 set_count(&mut b, epoch + 1, 0);
             }
-            Some((b, epoch))
+            Some((b, (epoch, note)))
         })?;
-        Ok(stamp.unwrap_or(0))
+        Ok(stamp.unwrap_or((0, None)))
     }
 
     /// Moves the last use of a held prefix to `now_s`, when it is a second or more behind.
@@ -458,13 +472,17 @@ impl AffinityIndex {
                     tag: t,
                     stamp,
                     previous,
+                    counted: (0, None),
                 },
             ))
         })
     }
 
     /// Undoes an insert whose request failed before its first byte: each entry it wrote goes
-    /// back to what it was, unless someone has written it since.
+    /// back to what it was, unless someone has written it since, and so do the header's
+    /// counts of those entries' blocks and the head record it wrote. Left in, the counts
+    /// of a prompt the endpoint never took would age out prefixes it holds (a client's
+    /// requests for a model the servers refuse could empty an endpoint's index).
     pub fn rollback<S: SharedStore + ?Sized>(
         &self,
         s: &S,
@@ -473,6 +491,7 @@ impl AffinityIndex {
         // Every entry is tried, the first error returned: one bucket that lost its CAS races
         // leaves the others rolled back.
         let mut first_error = Ok(());
+        let mut undone_counts = Vec::new();
         for w in receipt.written.iter().rev() {
             let undone = update(s, &self.bucket_key(w.bucket), |old| {
                 let at = find(ways(old), w.tag)?;
@@ -486,11 +505,52 @@ impl AffinityIndex {
                 }
                 Some((b, ()))
             });
+            if let Ok(Some(())) = undone {
+                undone_counts.push((w.stamp, w.counted));
+            }
             if first_error.is_ok() {
                 first_error = undone.map(|_| ());
             }
         }
-        first_error
+        let header = self.uncount(s, receipt, &undone_counts);
+        first_error.and(header)
+    }
+
+    /// The header's side of `rollback`: the undone entries' blocks go back to the epochs
+    /// they came from (deltas, so other requests' counts since are kept), and the head
+    /// record to what it replaced, if it is still this insert's.
+    fn uncount<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        receipt: &InsertReceipt,
+        undone: &[(u64, Counted)],
+    ) -> Result<(), StoreError> {
+        let note = receipt.head.as_ref();
+        if undone.is_empty() && note.is_none() {
+            return Ok(());
+        }
+        update(s, &self.header_key(receipt.slot), |old| {
+            let mut b = header_buf(old);
+            let epoch = read_u64(&b, 0);
+            let in_ring = |e: u64| epoch.saturating_sub(e) < EPOCHS as u64;
+            for &(stamp, (len, from)) in undone {
+                if in_ring(stamp) {
+                    add_count(&mut b, stamp, -(len as i64));
+                }
+                if let Some((e, n)) = from.filter(|&(e, _)| in_ring(e)) {
+                    add_count(&mut b, e, n as i64);
+                }
+            }
+            if let Some(n) = note {
+                let at = head_at(n.at);
+                let ours = read_u64(&b, at) == n.head && read_u32(&b, at + 8) == n.epoch as u32;
+                if let (true, Some(record)) = (ours, b.get_mut(at..at + 16)) {
+                    record.copy_from_slice(&n.previous);
+                }
+            }
+            Some((b, ()))
+        })
+        .map(|_| ())
     }
 
     /// Blocks the endpoint holds according to the index (for tests and the debug path):
@@ -600,16 +660,26 @@ fn recalls(b: &[u8], head: u64) -> bool {
 }
 
 /// Records that prefix `head` was stamped in `epoch` and used at `now_s`: its own record,
-/// else an empty one, else the one stamped longest ago.
-fn note_head(b: &mut [u8], head: u64, epoch: u64, now_s: u32) {
+/// else an empty one, else the one stamped longest ago. Returns where, and what was there.
+fn note_head(b: &mut [u8], head: u64, epoch: u64, now_s: u32) -> HeadNote {
     let i = (0..HEADS)
         .find(|&i| read_u64(b, head_at(i)) == head)
         .or_else(|| (0..HEADS).find(|&i| read_u64(b, head_at(i)) == 0))
         .or_else(|| (0..HEADS).min_by_key(|&i| head_epoch(b, i, epoch)))
         .unwrap_or(0);
+    let mut previous = [0u8; 16];
+    if let Some(old) = b.get(head_at(i)..head_at(i) + 16) {
+        previous.copy_from_slice(old);
+    }
     write_u64(b, head_at(i), head);
     write_u32(b, head_at(i) + 8, epoch as u32);
     write_u32(b, head_at(i) + 12, now_s);
+    HeadNote {
+        head,
+        at: i,
+        epoch,
+        previous,
+    }
 }
 
 /// The last use of `head` as its record has it, if it has one.
@@ -996,6 +1066,40 @@ mod tests {
         assert_eq!(r.written.len(), 3);
         ix.rollback(&s, &r).unwrap();
         assert_eq!(ix.matched(&s, 0, &a).unwrap().blocks, 0);
+    }
+
+    /// A rolled-back prompt was never sent: its blocks leave the endpoint's counts too, or
+    /// they would age out prefixes it holds (a few refused 2,048-block prompts emptied it).
+    #[test]
+    fn rolled_back_inserts_push_nothing_out() {
+        let (ix, s) = index(7_812, 1);
+        let hot = chain(1, 200);
+        ix.insert(&s, 0, &hot, 0).unwrap();
+        let before = ix.matched(&s, 0, &hot).unwrap();
+        for i in 0..8u64 {
+            let refused = chain(1_000 + i, 2_048);
+            let r = ix.insert(&s, 0, &refused, 1).unwrap();
+            ix.rollback(&s, &r).unwrap();
+            assert_eq!(ix.matched(&s, 0, &refused).unwrap().blocks, 0);
+        }
+        let after = ix.matched(&s, 0, &hot).unwrap();
+        assert_eq!(after.blocks, 200, "{after:?}");
+        assert_eq!(after.held, before.held);
+        // Its head record is back too: the hot prompt is still the most recent.
+        assert_eq!(after.rank, Some(0), "{after:?}");
+    }
+
+    /// A rollback after others have written moves back only its own counts.
+    #[test]
+    fn a_rollback_keeps_what_others_counted_since() {
+        let (ix, s) = index(10_000, 1);
+        let a = chain(1, 40);
+        let r = ix.insert(&s, 0, &a, 0).unwrap();
+        let b = chain(2, 40);
+        ix.insert(&s, 0, &b, 0).unwrap();
+        ix.rollback(&s, &r).unwrap();
+        let m = ix.matched(&s, 0, &b).unwrap();
+        assert_eq!((m.blocks, m.held), (40, 40));
     }
 
     #[test]

@@ -1106,6 +1106,33 @@ mod tests {
         .unwrap()
     }
 
+    /// Requests refused before their first byte (a model the servers do not serve, a 429
+    /// storm) were never prefilled: rolled back, they push no warm prefix out of the index.
+    #[test]
+    fn refused_requests_leave_a_warm_prefix_warm() {
+        let (mut r, t, s) = router("");
+        let hot = chat(&"S".repeat(40_000), "q");
+        let (chain, tokens) = (r.hash(&hot), r.prompt_tokens(&hot));
+        let mut first = r.route(&s, &t.endpoints, &chain, tokens, 1_000).unwrap();
+        r.first_byte(&s, &mut first, 1_100).unwrap();
+        r.finish(&s, &mut first, Outcome::Done).unwrap();
+        for i in 0..60 {
+            let refused = chat(&format!("{i:06}{}", "j".repeat(600_000)), "x");
+            let c = r.hash(&refused);
+            let tokens = r.prompt_tokens(&refused);
+            let mut j = r.route(&s, &t.endpoints, &c, tokens, 2_000 + i).unwrap();
+            r.finish(&s, &mut j, Outcome::FailedEarly).unwrap();
+        }
+        let after = r.route(&s, &t.endpoints, &chain, tokens, 10_000).unwrap();
+        assert_eq!(
+            after.decision.reason,
+            Reason::Sticky,
+            "{:?}",
+            after.decision
+        );
+        assert_eq!(after.addresses[0], first.addresses[0]);
+    }
+
     #[test]
     fn shared_prefix_sticks_then_releases() {
         let (mut r, t, s) = router("");
