@@ -76,6 +76,19 @@ fn metric_names(text: &str) -> (BTreeSet<String>, BTreeSet<String>) {
         tail = &after[end..];
     }
     rest.push_str(tail);
+    // Label matchers (`{prefix!="admin"}`) name labels, not metrics.
+    let mut depth = 0usize;
+    let rest: String = rest
+        .chars()
+        .filter(|&c| {
+            match c {
+                '{' => depth += 1,
+                '}' => depth = depth.saturating_sub(1),
+                _ => return depth == 0,
+            }
+            false
+        })
+        .collect();
     let names = rest
         .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
         .filter(|w| w.starts_with("tokenaware_") || w.starts_with("envoy_"))
