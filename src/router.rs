@@ -1133,6 +1133,27 @@ mod tests {
         assert_eq!(after.addresses[0], first.addresses[0]);
     }
 
+    /// A repeated prompt of three blocks and a bit is warm at the default threshold: its
+    /// partial last block counts by its size, not as a whole missed block (3 of 4, 0.75).
+    #[test]
+    fn a_short_repeated_prompt_is_warm() {
+        let (mut r, t, s) = router("");
+        let block = r.cfg.block_bytes();
+        let short = chat(&"s".repeat(3 * block + block / 8), "");
+        let (chain, tokens) = (r.hash(&short), r.prompt_tokens(&short));
+        assert_eq!(chain.full_blocks().len() + 1, chain.len());
+        let mut first = r.route(&s, &t.endpoints, &chain, tokens, 1_000).unwrap();
+        r.finish(&s, &mut first, Outcome::Done).unwrap();
+        let again = r.route(&s, &t.endpoints, &chain, tokens, 2_000).unwrap();
+        assert_eq!(
+            again.decision.reason,
+            Reason::Sticky,
+            "{:?}",
+            again.decision
+        );
+        assert!(again.decision.hit > 0.8 && again.decision.hit < 1.0);
+    }
+
     #[test]
     fn shared_prefix_sticks_then_releases() {
         let (mut r, t, s) = router("");

@@ -99,10 +99,15 @@ pub struct Ask<'a> {
 }
 
 impl Ask<'_> {
+    /// The share of the prompt's tokens the endpoint holds. By tokens, not blocks: a
+    /// partial last block (never cached) and a tail past `maxPrefixBlocks` (never hashed)
+    /// count as the misses they are. By blocks, a repeated prompt of three blocks and a bit
+    /// was never warm at 0.8 (3 of 4), and one cut at `maxPrefixBlocks` was warm at 1.0
+    /// however much of it went unhashed.
     pub fn hit(&self, c: &Candidate) -> f64 {
-        match self.chain.len() {
-            0 => 0.0,
-            n => c.matched_blocks.min(n) as f64 / n as f64,
+        match (self.chain.len(), self.tokens) {
+            (0, _) | (_, 0) => 0.0,
+            (_, t) => 1.0 - self.uncached(c) as f64 / t as f64,
         }
     }
 
