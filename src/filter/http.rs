@@ -373,6 +373,10 @@ impl HttpFilter {
             if ours && !self.served_elsewhere {
                 self.learn_from_usage(h, &vm, &mut routed, u);
             }
+        } else if outcome == Outcome::Done {
+            // A stream asked without `stream_options.include_usage`, a compressed answer,
+            // `usage` pushed out of the tail: the answer teaches nothing, and this says so.
+            vm.stats.inc(h, Counter::UsageMissing);
         }
         let released = match vm.router.try_borrow() {
             Ok(r) if ours => r.finish(&vm.recent.fresh(h), &mut routed, outcome).is_ok(),

@@ -105,6 +105,8 @@ pub enum Counter {
     DiscoveryHostsDropped,
     UsagePromptTokens,
     UsageCachedTokens,
+    /// Answers that ended well with no `usage` in their tail: nothing learned from them.
+    UsageMissing,
     /// A ledger or index update at first byte / stream end failed.
     ReleaseErrors,
     /// `cached_tokens` confirmed the index's predicted hit.
@@ -147,7 +149,7 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 29] = [
+    pub const ALL: [Counter; 30] = [
         Counter::Routed,
         Counter::Released,
         Counter::FailedEarly,
@@ -161,6 +163,7 @@ impl Counter {
         Counter::DiscoveryHostsDropped,
         Counter::UsagePromptTokens,
         Counter::UsageCachedTokens,
+        Counter::UsageMissing,
         Counter::ReleaseErrors,
         Counter::CacheHeld,
         Counter::CacheMisses,
@@ -194,6 +197,7 @@ impl Counter {
             Counter::DiscoveryHostsDropped => "tokenaware_discovery_hosts_dropped",
             Counter::UsagePromptTokens => "tokenaware_usage_prompt_tokens",
             Counter::UsageCachedTokens => "tokenaware_usage_cached_tokens",
+            Counter::UsageMissing => "tokenaware_answers_without_usage",
             Counter::ReleaseErrors => "tokenaware_release_errors",
             Counter::CacheHeld => "tokenaware_cache_predictions_held",
             Counter::CacheMisses => "tokenaware_cache_predictions_missed",

@@ -2703,3 +2703,29 @@ fn a_peer_poll_answered_by_another_replica_keeps_the_replicas_place() {
     );
     assert_eq!(warnings_with(&ha, "answered by another replica").len(), 1);
 }
+
+/// An answer that ended well with no `usage` (a stream asked without
+/// `stream_options.include_usage`) teaches nothing, and is counted as such; one with
+/// `usage`, or a failed one, is not.
+#[test]
+fn answers_without_usage_are_counted() {
+    let h = FakeHost::new();
+    let vm = vm(&h, "");
+    let (mut f, _) = send(&h, &vm, CHAT, &streamed(&chat("s", "q")));
+    h.set_response_status(200);
+    f.on_response_headers(&h, false);
+    stream_then_end(
+        &h,
+        &mut f,
+        &[b"data: {\"choices\":[]}\n\n", b"data: [DONE]\n\n"],
+    );
+    assert_eq!(h.metric("tokenaware_answers_without_usage"), 1);
+    let (mut f, _) = send(&h, &vm, CHAT, &chat("s", "q"));
+    respond(&h, &mut f, br#"{"choices":[],"usage":{"prompt_tokens":9}}"#);
+    let (mut f, _) = send(&h, &vm, CHAT, &chat("s", "q"));
+    h.set_response_status(503);
+    f.on_response_headers(&h, true);
+    f.on_log(&h);
+    assert_eq!(h.metric("tokenaware_answers_without_usage"), 1);
+    assert_ledger_zero(&h, &vm);
+}
