@@ -642,9 +642,30 @@ impl Estimator {
         self.keys.get(slot)
     }
 
-    fn model_key(&self, model: ModelId) -> String {
-        let h = model.0 % MODEL_KEYS;
-        format!("{}m{h:x}", self.prefix)
+    /// A model's two candidate records of the `MODEL_KEYS`. Each record names its model, so
+    /// two models whose hashes share a key never blend their tokenizers' ratios (with one
+    /// choice, ten models had even odds of a shared record); with two, the second model
+    /// takes the other key.
+    fn model_keys(&self, model: ModelId) -> [String; 2] {
+        let (a, b) = (model.0 % MODEL_KEYS, (model.0 >> 32) % MODEL_KEYS);
+        [a, b].map(|k| format!("{}m{k:x}", self.prefix))
+    }
+
+    /// What `model`'s keys hold, read in turn until its own record.
+    fn model_records<S: SharedStore + ?Sized>(
+        &self,
+        s: &S,
+        model: ModelId,
+    ) -> Result<[Option<ModelSums>; 2], StoreError> {
+        let mut seen = [None, None];
+        for (held, key) in seen.iter_mut().zip(self.model_keys(model)) {
+            let (v, _) = s.get(&key)?;
+            *held = decode_sums(v.as_deref().unwrap_or(&[]));
+            if held.is_some_and(|r| r.model == model.0) {
+                break;
+            }
+        }
+        Ok(seen)
     }
 
     pub fn read<S: SharedStore + ?Sized>(&self, s: &S, slot: u16) -> Result<Estimate, StoreError> {
@@ -775,8 +796,12 @@ impl Estimator {
         s: &S,
         model: impl Into<ModelId>,
     ) -> Result<f64, StoreError> {
-        let (v, _) = s.get(&self.model_key(model.into()))?;
-        Ok(decode_ratio(v.as_deref().unwrap_or(&[])).unwrap_or(self.prior_bytes_per_token))
+        let model = model.into();
+        let seen = self.model_records(s, model)?;
+        let own = seen.iter().flatten().find(|r| r.model == model.0);
+        Ok(own
+            .and_then(ModelSums::ratio)
+            .unwrap_or(self.prior_bytes_per_token))
     }
 
     /// One request's prompt bytes against the `usage.prompt_tokens` the server counted.
@@ -802,12 +827,32 @@ impl Estimator {
         // tokenizes unusually (a long run of spaces) cannot set the ratio every request of
         // the model is charged by.
         let w = (MAX_RATIO_SAMPLE_TOKENS / tokens as f64).min(1.0);
-        update(s, &self.model_key(model), |old| {
-            let (b, t) = decode_sums(old).unwrap_or((0.0, 0.0));
-            let (b, t) = (b * 0.99 + bytes as f64 * w, t * 0.99 + tokens as f64 * w);
-            let mut v = b.to_le_bytes().to_vec();
-            v.extend_from_slice(&t.to_le_bytes());
-            Some((v, ()))
+        // Its own record, else a free key, else the key whose model rests on fewer tokens.
+        let seen = self.model_records(s, model)?;
+        let claim = |r: &Option<ModelSums>| match r {
+            Some(r) if r.model == model.0 => -1.0,
+            Some(r) => r.tokens,
+            None => 0.0,
+        };
+        let [first, second] = self.model_keys(model);
+        let key = if claim(&seen[1]) < claim(&seen[0]) {
+            second
+        } else {
+            first
+        };
+        update(s, &key, |old| {
+            let own = decode_sums(old).filter(|r| r.model == model.0);
+            let r = own.unwrap_or(ModelSums {
+                bytes: 0.0,
+                tokens: 0.0,
+                model: model.0,
+            });
+            let r = ModelSums {
+                bytes: r.bytes * 0.99 + bytes as f64 * w,
+                tokens: r.tokens * 0.99 + tokens as f64 * w,
+                ..r
+            };
+            Some((r.encode(), ()))
         })
         .map(|_| ())
     }
@@ -816,22 +861,42 @@ impl Estimator {
 /// The most one request weighs in a model's bytes per token, in tokens.
 const MAX_RATIO_SAMPLE_TOKENS: f64 = 8_192.0;
 
-fn decode_sums(v: &[u8]) -> Option<(f64, f64)> {
-    if v.len() != 16 {
-        return None;
-    }
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&v[..8]);
-    let b = f64::from_le_bytes(a);
-    a.copy_from_slice(&v[8..]);
-    let t = f64::from_le_bytes(a);
-    (b.is_finite() && t.is_finite()).then_some((b, t))
+/// A model's record: decayed sums of prompt bytes and tokens, and whose they are.
+#[derive(Debug, Clone, Copy)]
+struct ModelSums {
+    bytes: f64,
+    tokens: f64,
+    model: u64,
 }
 
-/// The learned ratio, once it rests on at least a few thousand tokens.
-fn decode_ratio(v: &[u8]) -> Option<f64> {
-    let (b, t) = decode_sums(v)?;
-    (t >= 2_000.0).then(|| (b / t).clamp(0.5, 64.0))
+impl ModelSums {
+    fn encode(self) -> Vec<u8> {
+        let mut v = self.bytes.to_le_bytes().to_vec();
+        v.extend_from_slice(&self.tokens.to_le_bytes());
+        v.extend_from_slice(&self.model.to_le_bytes());
+        v
+    }
+
+    /// The learned ratio, once it rests on at least a few thousand tokens.
+    fn ratio(&self) -> Option<f64> {
+        (self.tokens >= 2_000.0).then(|| (self.bytes / self.tokens).clamp(0.5, 64.0))
+    }
+}
+
+/// A record as stored; `None` for no record, or one of another layout (an older build's
+/// 16-byte sums name no model, and start over).
+fn decode_sums(v: &[u8]) -> Option<ModelSums> {
+    let word = |i: usize| -> Option<[u8; 8]> { v.get(i * 8..i * 8 + 8)?.try_into().ok() };
+    if v.len() != 24 {
+        return None;
+    }
+    let (bytes, tokens) = (f64::from_le_bytes(word(0)?), f64::from_le_bytes(word(1)?));
+    let model = u64::from_le_bytes(word(2)?);
+    (bytes.is_finite() && tokens.is_finite()).then_some(ModelSums {
+        bytes,
+        tokens,
+        model,
+    })
 }
 
 #[cfg(test)]
@@ -1403,6 +1468,45 @@ mod tests {
         }
         assert!((e.bytes_per_token(&s, "a").unwrap() - 3.0).abs() < 1e-9);
         assert_eq!(e.bytes_per_token(&s, "b").unwrap(), 4.0);
+    }
+
+    /// Models whose first keys are the same keep their own ratios (one record each), and
+    /// a third on both of those keys takes the one resting on fewer tokens.
+    #[test]
+    fn models_sharing_a_key_keep_their_own_bytes_per_token() {
+        let s = MemStore::new();
+        let e = Estimator::new("t", 15_000.0, 4.0);
+        let first_key = |m: &str| e.model_keys(ModelId::from(m))[0].clone();
+        let names: Vec<String> = (0..10_000).map(|i| format!("model-{i}")).collect();
+        let a = &names[0];
+        let b = names[1..]
+            .iter()
+            .find(|n| first_key(n) == first_key(a))
+            .unwrap();
+        for _ in 0..10 {
+            e.observe_bytes_per_token(&s, a.as_str(), 2_000, 1_000)
+                .unwrap();
+            e.observe_bytes_per_token(&s, b.as_str(), 6_000, 1_000)
+                .unwrap();
+        }
+        let bpt = |m: &str| e.bytes_per_token(&s, m).unwrap();
+        assert!((bpt(a) - 2.0).abs() < 1e-9, "{}", bpt(a));
+        assert!((bpt(b) - 6.0).abs() < 1e-9, "{}", bpt(b));
+        let keys = |m: &str| e.model_keys(ModelId::from(m));
+        let c = names[1..].iter().find(|n| {
+            let k = keys(n);
+            *n != b && k.contains(&keys(a)[0]) && k.contains(&keys(b)[1]) && k[0] != k[1]
+        });
+        // Both its keys held by others: it takes one (the lighter, or the first).
+        let c = c.expect("a model on both keys");
+        for _ in 0..10 {
+            e.observe_bytes_per_token(&s, c.as_str(), 3_000, 1_000)
+                .unwrap();
+        }
+        assert!((bpt(c) - 3.0).abs() < 1e-9, "{}", bpt(c));
+        // Another build's 16-byte record names no model: read as none.
+        s.set(&keys("z")[0], &[0u8; 16], None).unwrap();
+        assert_eq!(bpt("z"), 4.0);
     }
 
     #[test]
