@@ -298,14 +298,18 @@ impl HttpFilter {
         body_size: usize,
         end_of_stream: bool,
     ) -> Action {
-        if self.routed.is_none() || body_size == 0 {
+        if self.routed.is_none() {
             return Action::Continue;
         }
         let awaited = !self.first_byte && !self.failed_early;
         if awaited && (end_of_stream || !self.streamed) {
             // An answer not streamed comes whole after its decode, its end right behind:
             // `on_log` releases prefill and request together, one ledger update, not two.
+            // So is a stream that ends (its last chunk may be empty) before its first token
+            // was seen: a Responses stream without `event:` lines.
             self.first_byte = true;
+        } else if body_size == 0 {
+            return Action::Continue;
         } else if awaited && self.opening.is_some() {
             return self.opening_body(h, body_size);
         } else if awaited {
@@ -313,6 +317,9 @@ impl HttpFilter {
             self.first_byte(h);
         }
         let want = body_size.min(usage::TAIL_BYTES);
+        if want == 0 {
+            return Action::Continue;
+        }
         if let Ok(chunk) = h.response_body(body_size - want, want) {
             usage::keep_tail(&mut self.tail, &chunk);
         }

@@ -2729,3 +2729,31 @@ fn answers_without_usage_are_counted() {
     assert_eq!(h.metric("tokenaware_answers_without_usage"), 1);
     assert_ledger_zero(&h, &vm);
 }
+
+/// A Responses stream without `event:` lines gives no first token to time: it still is a
+/// whole answer when it ends (its last chunk empty, as Envoy often delivers the end), not a
+/// request that failed before its first byte (which would undo its placement).
+#[test]
+fn a_responses_stream_without_event_lines_is_an_answer() {
+    let h = FakeHost::new();
+    let vm = vm(&h, "");
+    let body = serde_json::json!({"model": "m", "stream": true, "input": "p".repeat(4_000)});
+    let (mut f, _) = send(&h, &vm, "/v1/responses", body.to_string().as_bytes());
+    h.set_response_status(200);
+    f.on_response_headers(&h, false);
+    for chunk in [
+        &b"data: {\"type\":\"response.created\"}\n\n"[..],
+        b"data: {\"type\":\"response.output_text.delta\",\"delta\":\"a\"}\n\n",
+        b"data: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens\":1000}}}\n\n",
+    ] {
+        *h.response_body.borrow_mut() = chunk.to_vec();
+        f.on_response_body(&h, chunk.len(), false);
+    }
+    h.response_body.borrow_mut().clear();
+    f.on_response_body(&h, 0, true);
+    f.on_log(&h);
+    assert_eq!(h.metric("tokenaware_requests_failed_early"), 0);
+    assert_eq!(h.metric("tokenaware_requests_released"), 1);
+    assert_eq!(h.metric("tokenaware_usage_prompt_tokens"), 1_000);
+    assert_ledger_zero(&h, &vm);
+}
