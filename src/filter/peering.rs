@@ -219,6 +219,8 @@ impl PeerPoller {
             // This process, through the cluster of all replicas: nothing to learn. Asked
             // again later all the same: a poll Envoy could not pin to its host (one it
             // held unhealthy for a moment) was answered by another, this one among them.
+            self.failing.remove(&t.name);
+            vm.stats.inc(h, Counter::PeerPollsOk);
             self.selves
                 .insert(t.name, now.saturating_add(SELF_RECHECK_MS));
             return;
