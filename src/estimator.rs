@@ -647,8 +647,14 @@ impl Estimator {
     /// choice, ten models had even odds of a shared record); with two, the second model
     /// takes the other key.
     fn model_keys(&self, model: ModelId) -> [String; 2] {
-        let (a, b) = (model.0 % MODEL_KEYS, (model.0 >> 32) % MODEL_KEYS);
-        [a, b].map(|k| format!("{}m{k:x}", self.prefix))
+        [0, 1].map(|choice| self.model_key(model, choice))
+    }
+
+    /// One of them (`choice` 0 or 1), built only when read: a request reads the first alone
+    /// once its model's record is there.
+    fn model_key(&self, model: ModelId, choice: u32) -> String {
+        let k = (model.0 >> (32 * choice)) % MODEL_KEYS;
+        format!("{}m{k:x}", self.prefix)
     }
 
     /// What `model`'s keys hold, read in turn until its own record.
@@ -658,8 +664,8 @@ impl Estimator {
         model: ModelId,
     ) -> Result<[Option<ModelSums>; 2], StoreError> {
         let mut seen = [None, None];
-        for (held, key) in seen.iter_mut().zip(self.model_keys(model)) {
-            let (v, _) = s.get(&key)?;
+        for (held, choice) in seen.iter_mut().zip([0, 1]) {
+            let (v, _) = s.get(&self.model_key(model, choice))?;
             *held = decode_sums(v.as_deref().unwrap_or(&[]));
             if held.is_some_and(|r| r.model == model.0) {
                 break;

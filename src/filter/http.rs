@@ -310,10 +310,12 @@ impl HttpFilter {
             self.first_byte = true;
         } else if body_size == 0 {
             return Action::Continue;
-        } else if awaited && self.opening.is_some() {
+        } else if awaited && self.opening.is_some() && body_size <= OPENING_READ_BYTES {
             return self.opening_body(h, body_size);
         } else if awaited {
-            // A streamed answer's first byte ends its prefill (and is a TTFT sample).
+            // A streamed answer's first byte ends its prefill (and is a TTFT sample); so
+            // does a Responses chunk past any opening event's size (the first token is
+            // taken to be in it).
             self.first_byte(h);
         }
         let want = body_size.min(usage::TAIL_BYTES);
@@ -329,12 +331,6 @@ impl HttpFilter {
     /// A chunk of a streamed Responses answer before its first token: read whole (the
     /// opening events are a few KiB), and its first token's event ends the prefill.
     fn opening_body<H: Host>(&mut self, h: &H, body_size: usize) -> Action {
-        if body_size > OPENING_READ_BYTES {
-            // Past any opening event's size: the first token is taken to be in it.
-            self.opening = None;
-            self.first_byte(h);
-            return self.on_response_body(h, body_size, false);
-        }
         let Ok(chunk) = h.response_body(0, body_size) else {
             // Unreadable: the prefill is held to the stream's end, as one not streamed.
             return Action::Continue;

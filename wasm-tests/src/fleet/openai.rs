@@ -138,9 +138,7 @@ impl Usage {
             "prompt_tokens_details": { "cached_tokens": self.cached_tokens },
         })
     }
-}
 
-impl Usage {
     /// The Responses API's form.
     pub fn to_responses_json(self) -> Value {
         json!({
